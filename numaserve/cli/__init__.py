@@ -1,0 +1,77 @@
+"""The ``numaserve`` command.
+
+Every subcommand lives in its own module here; this file only builds the
+group and turns ``NumaserveError`` into one line on stderr with its exit
+status (2 for usage and config errors), never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from numaserve import __version__
+from numaserve.errors import NumaserveError
+
+# command name -> "module:attribute"; imported only when the command runs, so
+# `numaserve status` does not pay for importing the HTTP stack.
+COMMANDS: dict[str, str] = {
+    "topology": "numaserve.cli.topology_cmd:topology",
+    "plan": "numaserve.cli.plan_cmd:plan",
+    "config": "numaserve.cli.config_cmd:config",
+    "exec": "numaserve.cli.exec_cmd:exec_",
+    "start": "numaserve.cli.start_cmd:start",
+    "status": "numaserve.cli.ops_cmd:status",
+    "stop": "numaserve.cli.ops_cmd:stop",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is not None or name not in COMMANDS:
+            return cmd
+        mod, _, attr = COMMANDS[name].partition(":")
+        return getattr(importlib.import_module(mod), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="numaserve")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default=None,
+    help="Log level (overrides log.level from the config).",
+)
+@click.pass_context
+def cli(ctx: click.Context, log_level: str | None) -> None:
+    """NUMA-aware serving supervisor: one pinned, memory-bound worker per NUMA node."""
+    ctx.ensure_object(dict)
+    ctx.obj["log_level"] = log_level.lower() if log_level else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        rv = cli.main(args=argv, prog_name="numaserve", standalone_mode=False)
+    except NumaserveError as e:
+        click.echo(f"numaserve: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("numaserve: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        sys.exit(141)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)

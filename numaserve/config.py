@@ -1,0 +1,358 @@
+"""One typed schema for every option, loaded from TOML, environment and flags.
+
+Precedence (lowest first): built-in defaults < config file (``--config``, else
+``/etc/numaserve/numaserve.toml`` when present) < ``NUMASERVE_<SECTION>_<KEY>``
+environment variables < command-line flags.  Every error names the source
+(file, variable or flag), the key, the bad value and what was expected.
+
+``config/numaserve.toml`` documents every option; a test keeps it in step
+with this schema.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import msgspec
+
+from numaserve.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
+ENV_PREFIX = "NUMASERVE_"
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ServerConfig(_Section):
+    """What the workers serve and how the listeners are made."""
+
+    bind: list[str] = msgspec.field(default_factory=lambda: ["0.0.0.0:8000"])
+    backlog: int = 2048
+    app: str = ""
+    cmd: str = ""
+    app_dir: str = ""
+    http: Literal["auto", "httptools", "h11"] = "auto"
+    loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    graceful_timeout: float = 30.0
+    keepalive_timeout: float = 5.0
+    max_header_bytes: int = 65536
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_connections: int = 0
+    read_timeout: float = 30.0
+    access_log: bool = False
+
+
+class PlacementConfig(_Section):
+    """Which nodes get workers, how many, and how they are bound."""
+
+    nodes: str = "all"
+    workers_per_node: int | Literal["auto"] = 1
+    mempolicy: Literal["bind", "preferred", "interleave", "local"] = "bind"
+    cpu_split: Literal["split", "shared"] = "split"
+    reserve_irq_cpus: bool = False
+    topology_file: str = ""
+    sysfs_root: str = "/"
+
+
+class SupervisorConfig(_Section):
+    """Lifecycle timings of the supervision loop."""
+
+    runtime_dir: str = ""
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    ready_timeout: float = 60.0
+    stop_timeout: float = 30.0
+    abort_grace: float = 3.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    backoff_jitter: float = 0.2
+    backoff_reset_after: float = 60.0
+    crash_loop_limit: int = 5
+    crash_loop_window: float = 60.0
+    verify_interval: float = 30.0
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+SECTIONS: dict[str, type[_Section]] = {f.name: f.type for f in msgspec.structs.fields(Config)}
+
+
+def _field_types(section: str) -> dict[str, Any]:
+    return {f.name: f.type for f in msgspec.structs.fields(SECTIONS[section])}
+
+
+# --- value checks msgspec types cannot express --------------------------------
+
+_POSITIVE = {
+    ("server", "backlog"), ("server", "max_header_bytes"), ("server", "max_body_bytes"),
+    ("supervisor", "heartbeat_interval"), ("supervisor", "heartbeat_timeout"),
+    ("supervisor", "ready_timeout"), ("supervisor", "backoff_initial"),
+    ("supervisor", "backoff_max"), ("supervisor", "crash_loop_limit"),
+    ("supervisor", "crash_loop_window"), ("supervisor", "stop_timeout"),
+}
+_NON_NEGATIVE = {
+    ("server", "graceful_timeout"), ("server", "keepalive_timeout"), ("server", "max_connections"),
+    ("server", "read_timeout"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
+    ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
+}
+_APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """Parse HOST:PORT / [V6]:PORT / :PORT into (host, port); ValueError with a reason."""
+    s = text.strip()
+    if s.startswith("["):
+        host, sep, rest = s[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError("expected [IPV6]:PORT")
+        port_s = rest[1:]
+    else:
+        host, sep, port_s = s.rpartition(":")
+        if not sep:
+            raise ValueError("expected HOST:PORT")
+        if ":" in host:
+            raise ValueError("IPv6 addresses need brackets: [::1]:8000")
+    if not host:
+        host = "0.0.0.0"
+    if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError(f"port {port_s!r} is not a number in 0-65535")
+    return host, int(port_s)
+
+
+def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
+    def bad(section: str, key: str, value: Any, expected: str) -> ConfigError:
+        src = origin.get((section, key), "default")
+        return ConfigError(f"{src}: {section}.{key} = {value!r}: expected {expected}")
+
+    for section, key in _POSITIVE:
+        v = getattr(getattr(cfg, section), key)
+        if v <= 0:
+            raise bad(section, key, v, "a number > 0")
+    for section, key in _NON_NEGATIVE:
+        v = getattr(getattr(cfg, section), key)
+        if v < 0:
+            raise bad(section, key, v, "a number >= 0")
+    wpn = cfg.placement.workers_per_node
+    if wpn != "auto" and wpn < 1:
+        raise bad("placement", "workers_per_node", wpn, 'an integer >= 1 or "auto"')
+    if not cfg.server.bind:
+        raise bad("server", "bind", cfg.server.bind, "at least one HOST:PORT")
+    for b in cfg.server.bind:
+        try:
+            parse_bind(b)
+        except ValueError as e:
+            raise bad("server", "bind", b, f"HOST:PORT ({e})") from None
+    if cfg.server.app and cfg.server.cmd:
+        raise bad("server", "cmd", cfg.server.cmd, "either server.app or server.cmd, not both")
+    if cfg.server.app and not _APP_RE.match(cfg.server.app):
+        raise bad("server", "app", cfg.server.app, "module:attribute, e.g. myapp.main:app")
+    if cfg.supervisor.heartbeat_timeout <= cfg.supervisor.heartbeat_interval:
+        raise bad("supervisor", "heartbeat_timeout", cfg.supervisor.heartbeat_timeout,
+                  f"more than supervisor.heartbeat_interval ({cfg.supervisor.heartbeat_interval})")
+    from numaserve.nodespec import parse_node_spec  # local: avoids an import cycle
+
+    try:
+        parse_node_spec(cfg.placement.nodes)
+    except ValueError as e:
+        raise bad("placement", "nodes", cfg.placement.nodes, f'"all" or a node list like 0,2-3 ({e})') from None
+
+
+# --- loading ------------------------------------------------------------------
+
+
+def _describe_type(t: Any) -> str:
+    s = getattr(t, "__name__", None) or str(t)
+    s = s.replace("typing.", "")
+    return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}.get(s, s)
+
+
+def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Config:
+    # Check the shape by hand first so errors name the right source.
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            src = next((v for (s, _), v in origin.items() if s == section), "config")
+            raise ConfigError(
+                f"{src}: unknown section [{section}]: expected one of {', '.join(sorted(SECTIONS))}"
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(f"{origin.get((section, ''), 'config')}: [{section}] must be a table")
+        fields = _field_types(section)
+        for key in body:
+            if key not in fields:
+                src = origin.get((section, key), "config")
+                raise ConfigError(
+                    f"{src}: unknown key {section}.{key}: expected one of {', '.join(sorted(fields))}"
+                )
+    try:
+        cfg = msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = re.search(r"at `\$\.(\w+)\.(\w+)", msg)
+        if m:
+            section, key = m.group(1), m.group(2)
+            value = raw.get(section, {}).get(key)
+            src = origin.get((section, key), "config")
+            expected = msg.split(" - at ")[0]
+            ftype = _field_types(section).get(key)
+            raise ConfigError(
+                f"{src}: {section}.{key} = {value!r}: {expected.lower()}"
+                + (f" ({_describe_type(ftype)})" if ftype is not None else "")
+            ) from None
+        raise ConfigError(f"config: {msg}") from None
+    _check_values(cfg, origin)
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    try:
+        return tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def _parse_env_value(section: str, key: str, text: str) -> Any:
+    ftype = str(_field_types(section)[key])
+    if "list" in ftype:
+        return [p.strip() for p in text.split(",") if p.strip()]
+    if "bool" in ftype:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        return text
+    if "int" in ftype or "float" in ftype:
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                return float(text)
+            except ValueError:
+                return text
+    return text
+
+
+def _env_overrides(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
+    out: dict[str, dict[str, Any]] = {}
+    origin: dict[tuple[str, str], str] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        for section in sorted(SECTIONS, key=len, reverse=True):
+            if rest.startswith(section + "_"):
+                key = rest[len(section) + 1:]
+                if key not in _field_types(section):
+                    raise ConfigError(
+                        f"environment {name}: unknown key {section}.{key}: expected one of "
+                        f"{', '.join(sorted(_field_types(section)))}"
+                    )
+                out.setdefault(section, {})[key] = _parse_env_value(section, key, text)
+                origin[(section, key)] = f"environment {name}"
+                break
+    return out, origin
+
+
+def _merge(dst: dict[str, Any], src: Mapping[str, Mapping[str, Any]]) -> None:
+    for section, body in src.items():
+        dst.setdefault(section, {})
+        if isinstance(body, Mapping) and isinstance(dst[section], dict):
+            dst[section].update(body)
+        else:
+            dst[section] = body
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    use_default_path: bool = True,
+) -> Config:
+    """Build the effective config.
+
+    ``path`` None means the default path when it exists.  ``overrides`` are
+    command-line flags as ``{section: {key: value}}``; ``None`` values are
+    ignored so unset flags do not mask file values.
+    """
+    raw: dict[str, Any] = {}
+    origin: dict[tuple[str, str], str] = {}
+    environ = os.environ if environ is None else environ
+    file_path: Path | None = None
+    if path is not None and str(path) != "":
+        file_path = Path(path)
+    elif use_default_path and Path(DEFAULT_CONFIG_PATH).is_file():
+        file_path = Path(DEFAULT_CONFIG_PATH)
+    if file_path is not None:
+        data = _read_toml(file_path)
+        for section, body in data.items():
+            origin[(section, "")] = str(file_path)
+            if isinstance(body, dict):
+                for key in body:
+                    origin[(section, key)] = str(file_path)
+        _merge(raw, data)
+    env, env_origin = _env_overrides(environ)
+    _merge(raw, env)
+    origin.update(env_origin)
+    if overrides:
+        flags: dict[str, dict[str, Any]] = {}
+        for section, body in overrides.items():
+            for key, value in body.items():
+                if value is None:
+                    continue
+                flags.setdefault(section, {})[key] = value
+                origin[(section, key)] = f"flag --{key.replace('_', '-')}"
+        _merge(raw, flags)
+    return _convert(raw, origin)
+
+
+def config_to_toml(cfg: Config) -> str:
+    """Render a config as TOML (for ``numaserve config show``)."""
+    lines: list[str] = []
+    for section, body in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in body.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return msgspec.json.encode(v).decode()
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    return msgspec.json.encode(v).decode()

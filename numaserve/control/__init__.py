@@ -1,0 +1,1 @@
+"""Supervisor ↔ worker and ops CLI ↔ supervisor control plane (ZeroMQ + msgspec)."""
