@@ -55,7 +55,7 @@ class PlacementConfig(_Section):
     workers_per_node: int | Literal["auto"] = 1
     mempolicy: Literal["bind", "preferred", "interleave", "local"] = "bind"
     cpu_split: Literal["split", "shared"] = "split"
-    reserve_irq_cpus: bool = False
+    reserve_irq_cpus: int = 0
     topology_file: str = ""
     sysfs_root: str = "/"
 
@@ -111,7 +111,7 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     ("server", "graceful_timeout"), ("server", "keepalive_timeout"), ("server", "max_connections"),
-    ("server", "read_timeout"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
+    ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
 }
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")

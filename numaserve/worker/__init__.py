@@ -1,0 +1,1 @@
+"""The worker side: one process per slot, already bound when it starts."""
