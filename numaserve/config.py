@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -23,6 +25,14 @@ from numaserve.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
+
+# Command-line flags whose name is not ``--<key>``, so errors name the real flag.
+FLAG_NAMES: dict[tuple[str, str], str] = {
+    ("log", "level"): "--log-level",
+    ("log", "format"): "--log-format",
+    ("placement", "topology_file"): "--declared",
+    ("placement", "sysfs_root"): "--root",
+}
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +89,8 @@ class SupervisorConfig(_Section):
 
 
 class LogConfig(_Section):
+    """How the supervisor and workers log."""
+
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
 
@@ -138,19 +150,24 @@ def parse_bind(text: str) -> tuple[str, int]:
     return host, int(port_s)
 
 
+def _bad(origin: Mapping[tuple[str, str], str], section: str, key: str, value: Any, expected: str) -> ConfigError:
+    """One error line: ``SOURCE: section.key = VALUE: expected WHAT`` (value in TOML syntax)."""
+    src = origin.get((section, key), "default")
+    return ConfigError(f"{src}: {section}.{key} = {_toml_value(value)}: expected {expected}")
+
+
 def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     def bad(section: str, key: str, value: Any, expected: str) -> ConfigError:
-        src = origin.get((section, key), "default")
-        return ConfigError(f"{src}: {section}.{key} = {value!r}: expected {expected}")
+        return _bad(origin, section, key, value, expected)
 
     for section, key in _POSITIVE:
         v = getattr(getattr(cfg, section), key)
         if v <= 0:
-            raise bad(section, key, v, "a number > 0")
+            raise bad(section, key, v, ("an integer" if isinstance(v, int) else "a number") + " > 0")
     for section, key in _NON_NEGATIVE:
         v = getattr(getattr(cfg, section), key)
         if v < 0:
-            raise bad(section, key, v, "a number >= 0")
+            raise bad(section, key, v, ("an integer" if isinstance(v, int) else "a number") + " >= 0")
     wpn = cfg.placement.workers_per_node
     if wpn != "auto" and wpn < 1:
         raise bad("placement", "workers_per_node", wpn, 'an integer >= 1 or "auto"')
@@ -160,7 +177,8 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         try:
             parse_bind(b)
         except ValueError as e:
-            raise bad("server", "bind", b, f"HOST:PORT ({e})") from None
+            why = "" if str(e).startswith("expected HOST:PORT") else f" ({e})"
+            raise bad("server", "bind", b, f"HOST:PORT, [IPV6]:PORT or :PORT{why}") from None
     if cfg.server.app and cfg.server.cmd:
         raise bad("server", "cmd", cfg.server.cmd, "either server.app or server.cmd, not both")
     if cfg.server.app and not _APP_RE.match(cfg.server.app):
@@ -179,10 +197,22 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
 # --- loading ------------------------------------------------------------------
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
 def _describe_type(t: Any) -> str:
-    s = getattr(t, "__name__", None) or str(t)
-    s = s.replace("typing.", "")
-    return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}.get(s, s)
+    """What a value of schema type ``t`` looks like, in operator words."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if t in _TYPE_WORDS:
+        return _TYPE_WORDS[t]
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f'"{a}"' if isinstance(a, str) else str(a) for a in args)
+    if origin is list:
+        inner = _describe_type(args[0]) if args else "values"
+        return "a list of " + {"a string": "strings", "an integer": "integers", "a number": "numbers"}.get(inner, inner)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in args)
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
 def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Config:
@@ -194,13 +224,16 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
                 f"{src}: unknown section [{section}]: expected one of {', '.join(sorted(SECTIONS))}"
             )
         if not isinstance(body, dict):
-            raise ConfigError(f"{origin.get((section, ''), 'config')}: [{section}] must be a table")
+            raise ConfigError(
+                f"{origin.get((section, ''), 'config')}: {section} = {_toml_value(body)}: expected a table [{section}]"
+            )
         fields = _field_types(section)
         for key in body:
             if key not in fields:
                 src = origin.get((section, key), "config")
                 raise ConfigError(
-                    f"{src}: unknown key {section}.{key}: expected one of {', '.join(sorted(fields))}"
+                    f"{src}: unknown key {section}.{key} = {_toml_value(body[key])}: "
+                    f"expected one of {', '.join(sorted(fields))}"
                 )
     try:
         cfg = msgspec.convert(raw, Config, strict=False)
@@ -210,13 +243,11 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
         if m:
             section, key = m.group(1), m.group(2)
             value = raw.get(section, {}).get(key)
-            src = origin.get((section, key), "config")
-            expected = msg.split(" - at ")[0]
             ftype = _field_types(section).get(key)
-            raise ConfigError(
-                f"{src}: {section}.{key} = {value!r}: {expected.lower()}"
-                + (f" ({_describe_type(ftype)})" if ftype is not None else "")
-            ) from None
+            expected = _describe_type(ftype) if ftype is not None else msg.split(" - at ")[0].lower()
+            if (section, key) == ("placement", "workers_per_node"):
+                expected = 'an integer >= 1 or "auto"'
+            raise _bad(origin, section, key, value, expected) from None
         raise ConfigError(f"config: {msg}") from None
     _check_values(cfg, origin)
     return cfg
@@ -232,23 +263,31 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(text.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        line = text[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text: {e.reason} at line {line} (byte {e.start}): expected a UTF-8 TOML file"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
 def _parse_env_value(section: str, key: str, text: str) -> Any:
-    ftype = str(_field_types(section)[key])
-    if "list" in ftype:
+    """Environment text → a value of the field's type; text that does not fit is kept
+    as is so the schema check reports it with the variable's name."""
+    ftype = _field_types(section)[key]
+    origin = typing.get_origin(ftype)
+    union = origin in (typing.Union, types.UnionType)
+    members = set(typing.get_args(ftype)) if union else {ftype}
+    if origin is list:
         return [p.strip() for p in text.split(",") if p.strip()]
-    if "bool" in ftype:
+    if bool in members:
         low = text.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
         return text
-    if "int" in ftype or "float" in ftype:
+    if int in members or float in members:
         try:
             return int(text)
         except ValueError:
@@ -271,7 +310,7 @@ def _env_overrides(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]
                 key = rest[len(section) + 1:]
                 if key not in _field_types(section):
                     raise ConfigError(
-                        f"environment {name}: unknown key {section}.{key}: expected one of "
+                        f"environment {name}: unknown key {section}.{key} = {_toml_value(text)}: expected one of "
                         f"{', '.join(sorted(_field_types(section)))}"
                     )
                 out.setdefault(section, {})[key] = _parse_env_value(section, key, text)
@@ -328,7 +367,7 @@ def load_config(
                 if value is None:
                     continue
                 flags.setdefault(section, {})[key] = value
-                origin[(section, key)] = f"flag --{key.replace('_', '-')}"
+                origin[(section, key)] = f"flag {FLAG_NAMES.get((section, key), '--' + key.replace('_', '-'))}"
         _merge(raw, flags)
     return _convert(raw, origin)
 

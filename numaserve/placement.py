@@ -3,12 +3,55 @@
 Pure: takes data, returns data.  ``make_plan`` raises ``UsageError`` (exit 2)
 for a request that cannot be satisfied on this machine (a node that does not
 exist or this process may not use), naming the usable nodes.
+
+Rules, in the order ``make_plan`` applies them:
+
+* **Nodes.** ``"all"`` takes every node that can host a worker and lists the
+  others in ``Plan.skipped`` with the reason (memory-only node, no CPU this
+  process may use, memory node forbidden by the cgroup).  An explicit list
+  (``"0,2-3"``) must name only such nodes: anything else is an error, because
+  silently dropping a node the operator asked for hides a misconfiguration.
+* **IRQ cores.** ``reserve_irq_cpus = K`` keeps the last K physical cores of a
+  node with a local NIC away from its workers (they take the NIC's
+  interrupts; IRQ steering uses the same set via ``reserved_irq_cpus``).
+  At least one core is always left to the workers.
+* **Workers per node.** An integer, or ``"auto"``: the node's GPU count when
+  it has GPUs, else its physical cores among the CPUs left to workers.
+* **CPUs.** ``split``: contiguous chunks of whole cores in CPU order; falls
+  back to hardware threads, then to sharing, when there are more workers than
+  cores or CPUs (noted).  ``shared``: every worker gets all the CPUs.
+* **Memory.** ``bind`` (default) and ``preferred`` name the node's real
+  memory node (``Node.bind_node``); ``interleave`` names the memory nodes of
+  every planned node; ``local`` names none.
+* **GPUs.** Round-robin over the workers when there are at least as many GPUs
+  as workers, else every worker of the node sees all its GPUs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Literal, Sequence
+
+from numaserve.config import PlacementConfig
+from numaserve.cpulist import format_list
+from numaserve.errors import UsageError
+from numaserve.nodespec import parse_node_spec
+from numaserve.topology.model import Node, Topology
+
+__all__ = [
+    "SlotPlan",
+    "SkippedNode",
+    "Plan",
+    "make_plan",
+    "reserved_irq_cpus",
+    "physical_cores",
+    "split_cpus",
+    "parse_workers_per_node",
+]
+
+MEMPOLICIES = ("bind", "preferred", "interleave", "local")
+CPU_SPLITS = ("split", "shared")
+SplitMode = Literal["cores", "threads", "shared"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +95,24 @@ class SkippedNode:
 
 @dataclass
 class Plan:
+    """The placement: slots, the nodes left out and why, and notes for the operator.
+
+    ``irq_cpus`` maps node id → CPUs kept away from workers for NIC IRQs
+    (only nodes where something was reserved).
+    """
+
     slots: list[SlotPlan]
     skipped: list[SkippedNode] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     mempolicy: str = "bind"
     workers_per_node: int | str = 1
+    cpu_split: str = "split"
+    irq_cpus: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The planned nodes, in slot order."""
+        return tuple(dict.fromkeys(s.node for s in self.slots))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,4 +121,332 @@ class Plan:
             "notes": list(self.notes),
             "mempolicy": self.mempolicy,
             "workers_per_node": self.workers_per_node,
+            "cpu_split": self.cpu_split,
+            "irq_cpus": {str(k): list(v) for k, v in sorted(self.irq_cpus.items())},
         }
+
+
+# --- CPU helpers (pure) ---------------------------------------------------------
+
+
+def physical_cores(topo: Topology, cpus: Iterable[int]) -> list[tuple[int, ...]]:
+    """Group ``cpus`` into physical cores (SMT siblings together), ordered by first CPU.
+
+    Siblings come from ``topo.smt_siblings``; a CPU without an entry is its own
+    core.  Only CPUs in ``cpus`` appear in the result, so a core half-forbidden
+    by a cpuset counts with the thread that is left.
+    """
+    wanted = set(cpus)
+    seen: set[int] = set()
+    cores: list[tuple[int, ...]] = []
+    for c in sorted(wanted):
+        if c in seen:
+            continue
+        core = tuple(sorted(({c} | set(topo.smt_siblings.get(c, ()))) & wanted - seen))
+        seen.update(core)
+        cores.append(core)
+    return cores
+
+
+def _chunks(items: Sequence[Any], n: int) -> list[list[Any]]:
+    """Split into n contiguous chunks; the first len % n chunks get one extra item."""
+    base, extra = divmod(len(items), n)
+    out: list[list[Any]] = []
+    start = 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append(list(items[start:start + size]))
+        start += size
+    return out
+
+
+def split_cpus(
+    topo: Topology, cpus: Sequence[int], n: int
+) -> tuple[list[tuple[int, ...]], SplitMode]:
+    """Divide ``cpus`` among ``n`` workers; returns the per-worker CPUs and how.
+
+    "cores": whole cores (SMT siblings stay together), contiguous in CPU
+    order, the remainder going one extra core to the first workers — so no
+    two workers share a core's caches and execution units.  "threads": more
+    workers than cores, so cores are split by hardware thread (siblings still
+    adjacent).  "shared": more workers than CPUs; CPUs are dealt round-robin
+    and some workers share one.
+    """
+    if n < 1:
+        raise ValueError(f"cannot split CPUs among {n} workers")
+    cores = physical_cores(topo, cpus)
+    if n <= len(cores):
+        return [tuple(sorted(c for core in chunk for c in core)) for chunk in _chunks(cores, n)], "cores"
+    threads = [c for core in cores for c in core]
+    if n <= len(threads):
+        return [tuple(sorted(chunk)) for chunk in _chunks(threads, n)], "threads"
+    return [(threads[i % len(threads)],) for i in range(n)], "shared"
+
+
+def _local_nic(topo: Topology, node_id: int) -> bool:
+    return any(nic.numa_node == node_id for nic in topo.nics)
+
+
+def _reserve(topo: Topology, node: Node, k: int) -> tuple[tuple[int, ...], str | None]:
+    """(reserved CPUs, note) for one node; see ``reserved_irq_cpus``."""
+    if k < 0:
+        raise ValueError(f"reserve_irq_cpus must be >= 0, got {k}")
+    if k == 0 or not _local_nic(topo, node.id):
+        return (), None
+    cores = physical_cores(topo, node.usable_cpus)
+    if len(cores) <= 1:
+        return (), (
+            f"node {node.id}: reserve_irq_cpus = {k} not applied: the node has "
+            f"{len(cores)} usable core(s) and workers need at least one"
+        )
+    take = min(k, len(cores) - 1)
+    reserved = tuple(sorted(c for core in cores[-take:] for c in core))
+    note = None
+    if take < k:
+        note = (
+            f"node {node.id}: reserve_irq_cpus = {k} would take all {len(cores)} usable cores; "
+            f"reserved {take} ({format_list(reserved)}) and left 1 core to workers"
+        )
+    return reserved, note
+
+
+def reserved_irq_cpus(topo: Topology, node_id: int, k: int) -> tuple[int, ...]:
+    """CPUs of ``node_id`` kept for NIC interrupts when ``reserve_irq_cpus = k``.
+
+    The last ``k`` physical cores (with all their SMT siblings) of the node's
+    usable CPUs, when the node has a local NIC; empty otherwise.  Never the
+    whole node: at most all cores but one.  Placement keeps workers off these
+    CPUs and IRQ steering puts the NIC's queue interrupts on them, so both use
+    this one function.  KeyError for a node not in ``topo``.
+    """
+    return _reserve(topo, topo.node(node_id), k)[0]
+
+
+# --- argument parsing -----------------------------------------------------------
+
+
+def parse_workers_per_node(value: int | str) -> int | Literal["auto"]:
+    """An integer >= 1 (also as text) or "auto"; UsageError otherwise."""
+    expected = 'expected an integer >= 1 or "auto"'
+    if isinstance(value, bool):
+        raise UsageError(f"workers per node {value!r}: {expected}")
+    if isinstance(value, int):
+        if value < 1:
+            raise UsageError(f"workers per node {value}: {expected}")
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower()
+        if s == "auto":
+            return "auto"
+        if s.isdigit() and int(s) >= 1:
+            return int(s)
+    raise UsageError(f"workers per node {value!r}: {expected}")
+
+
+def _requested_nodes(nodes: str | Iterable[int]) -> tuple[int, ...] | None:
+    if isinstance(nodes, str):
+        try:
+            return parse_node_spec(nodes)
+        except ValueError as e:
+            raise UsageError(f'node spec {nodes!r}: expected "all" or a node list like 0,2-3 ({e})') from None
+    return tuple(sorted(set(int(n) for n in nodes)))
+
+
+# --- node eligibility ------------------------------------------------------------
+
+
+def _memory_problem(topo: Topology, node: Node, mempolicy: str) -> str | None:
+    """Why a bind/preferred policy for ``node`` would fail with EINVAL, or None."""
+    if mempolicy not in ("bind", "preferred"):
+        return None  # interleave picks among allowed nodes; local names none
+    mem = node.bind_node
+    if topo.allowed_mems and mem not in topo.allowed_mems:
+        return (
+            f"its memory node {mem} is not allowed by the cgroup cpuset "
+            f"(allowed memory nodes: {format_list(topo.allowed_mems) or 'none'})"
+        )
+    target = next((n for n in topo.nodes if n.id == mem), None)
+    if target is not None and not target.has_memory:
+        return f'its memory node {mem} has no memory (use mempolicy = "local" or "interleave")'
+    return None
+
+
+def _skip_reason(topo: Topology, node: Node, mempolicy: str) -> str | None:
+    """Why ``node`` cannot host workers, or None when it can."""
+    if node.cpu_less:
+        return "no CPUs (memory-only node)"
+    if not node.usable_cpus:
+        return (
+            f"no usable CPUs: this process may not run on its CPUs {format_list(node.cpus)} "
+            f"(allowed CPUs: {format_list(topo.allowed_cpus) or 'none'}; affinity or cgroup cpuset)"
+        )
+    return _memory_problem(topo, node, mempolicy)
+
+
+def _interleave_nodes(topo: Topology, planned: Sequence[Node]) -> tuple[int, ...]:
+    by_id = {n.id: n for n in topo.nodes}
+    out = set()
+    for n in planned:
+        mem = n.bind_node
+        if topo.allowed_mems and mem not in topo.allowed_mems:
+            continue
+        if mem in by_id and not by_id[mem].has_memory:
+            continue
+        out.add(mem)
+    return tuple(sorted(out))
+
+
+# --- the plan ---------------------------------------------------------------------
+
+
+def make_plan(
+    topo: Topology,
+    placement: PlacementConfig,
+    *,
+    nodes: str | Iterable[int] | None = None,
+    workers_per_node: int | str | None = None,
+) -> Plan:
+    """Plan the worker slots for ``topo`` under ``placement``.
+
+    ``nodes`` ("all", "0,2-3" or node ids) and ``workers_per_node`` (an
+    integer or "auto") override the config's values when given.  Slots are
+    numbered 0..n-1 in node-id order, then by index within the node; each
+    slot's listener is its slot number.
+
+    ``workers_per_node = "auto"``: the number of the node's GPUs when it has
+    any (one worker per accelerator), else the number of physical cores (SMT
+    siblings counted once) among the node's usable CPUs not reserved for IRQs
+    (one worker per core).
+
+    Memory policy ``bind`` is the default: hard locality, so a worker's pages
+    never silently land on a remote node and latency stays predictable;
+    ``preferred`` is the soft choice that spills to other nodes instead of a
+    node-local OOM when a worker grows.
+
+    Raises ``UsageError`` when an explicit node does not exist or cannot be
+    used, when a value is invalid, or when no slot can be planned at all.
+    """
+    mempolicy = placement.mempolicy
+    if mempolicy not in MEMPOLICIES:
+        raise UsageError(f"mempolicy {mempolicy!r}: expected one of {', '.join(MEMPOLICIES)}")
+    if placement.cpu_split not in CPU_SPLITS:
+        raise UsageError(f"cpu_split {placement.cpu_split!r}: expected one of {', '.join(CPU_SPLITS)}")
+    if placement.reserve_irq_cpus < 0:
+        raise UsageError(f"reserve_irq_cpus {placement.reserve_irq_cpus}: expected an integer >= 0")
+    wpn = parse_workers_per_node(placement.workers_per_node if workers_per_node is None else workers_per_node)
+    requested = _requested_nodes(placement.nodes if nodes is None else nodes)
+
+    all_nodes = sorted(topo.nodes, key=lambda n: n.id)
+    reasons = {n.id: _skip_reason(topo, n, mempolicy) for n in all_nodes}
+    usable = [n.id for n in all_nodes if reasons[n.id] is None]
+    usable_text = format_list(usable) or "none"
+
+    skipped: list[SkippedNode] = []
+    if requested is None:
+        planned = [n for n in all_nodes if reasons[n.id] is None]
+        skipped = [SkippedNode(n.id, r) for n in all_nodes if (r := reasons[n.id]) is not None]
+    else:
+        by_id = {n.id: n for n in all_nodes}
+        planned = []
+        for nid in requested:
+            if nid not in by_id:
+                raise UsageError(
+                    f"node {nid} does not exist; nodes on this machine: "
+                    f"{format_list(by_id) or 'none'}; usable: {usable_text}"
+                )
+            if reasons[nid] is not None:
+                raise UsageError(f"node {nid} cannot be used: {reasons[nid]}; usable nodes: {usable_text}")
+            planned.append(by_id[nid])
+
+    if not planned:
+        why = "; ".join(f"node {s.node}: {s.reason}" for s in skipped) or "the topology lists no nodes"
+        raise UsageError(f"no node can take workers: {why}")
+
+    notes: list[str] = []
+    interleave = _interleave_nodes(topo, planned) if mempolicy == "interleave" else ()
+    if mempolicy == "interleave" and not interleave:
+        raise UsageError(
+            "mempolicy interleave: none of the planned nodes' memory nodes is allowed and has memory "
+            f"(allowed memory nodes: {format_list(topo.allowed_mems) or 'none'})"
+        )
+
+    slots: list[SlotPlan] = []
+    irq_cpus: dict[int, tuple[int, ...]] = {}
+    k = placement.reserve_irq_cpus
+    for node in planned:
+        reserved, note = _reserve(topo, node, k)
+        if note:
+            notes.append(note)
+        if reserved:
+            irq_cpus[node.id] = reserved
+        kept = set(reserved)
+        worker_cpus = tuple(c for c in node.usable_cpus if c not in kept)
+        node_gpus = tuple(sorted(g.pci for g in topo.gpus if g.numa_node == node.id))
+
+        if wpn == "auto":
+            if node_gpus:
+                n = len(node_gpus)
+                notes.append(f"node {node.id}: workers_per_node auto = {n} (one per GPU)")
+            else:
+                n = len(physical_cores(topo, worker_cpus))
+                notes.append(f"node {node.id}: workers_per_node auto = {n} (one per physical core)")
+        else:
+            n = wpn
+
+        if placement.cpu_split == "shared":
+            per_worker = [worker_cpus] * n
+        else:
+            per_worker, mode = split_cpus(topo, worker_cpus, n)
+            ncores = len(physical_cores(topo, worker_cpus))
+            if mode == "threads":
+                notes.append(
+                    f"node {node.id}: {n} workers > {ncores} physical cores: "
+                    "split by hardware thread, so some workers share a core"
+                )
+            elif mode == "shared":
+                notes.append(
+                    f"node {node.id}: {n} workers > {len(worker_cpus)} usable CPUs: "
+                    "CPUs are dealt round-robin, so some workers share a CPU"
+                )
+
+        if n > 1 and len(node_gpus) >= n:
+            per_gpus = [tuple(node_gpus[i::n]) for i in range(n)]
+        else:
+            per_gpus = [node_gpus] * n
+            if n > 1 and node_gpus:
+                notes.append(f"node {node.id}: {n} workers share its {len(node_gpus)} GPU(s)")
+
+        if mempolicy in ("bind", "preferred"):
+            memory_nodes: tuple[int, ...] = (node.bind_node,)
+        elif mempolicy == "interleave":
+            memory_nodes = interleave
+        else:
+            memory_nodes = ()
+
+        for i in range(n):
+            slot = len(slots)
+            slots.append(
+                SlotPlan(
+                    slot=slot,
+                    node=node.id,
+                    index=i,
+                    cpus=per_worker[i],
+                    mempolicy=mempolicy,
+                    memory_nodes=memory_nodes,
+                    gpus=per_gpus[i],
+                    listener=slot,
+                )
+            )
+
+    if k > 0 and not any(_local_nic(topo, n.id) for n in planned):
+        notes.append(f"reserve_irq_cpus = {k}: no planned node has a local NIC; nothing reserved")
+
+    return Plan(
+        slots=slots,
+        skipped=skipped,
+        notes=notes,
+        mempolicy=mempolicy,
+        workers_per_node=wpn,
+        cpu_split=placement.cpu_split,
+        irq_cpus=irq_cpus,
+    )

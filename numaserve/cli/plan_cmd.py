@@ -1,11 +1,116 @@
-"""`numaserve plan` (placeholder until implemented)."""
+"""`numaserve plan`: show which worker slots `start` would create and how each is bound.
+
+Discovery (sysfs, or a declared topology) feeds ``placement.make_plan``; the
+result is a table on a terminal and stable JSON otherwise, so operators can
+check a placement before starting anything and scripts can diff it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 import click
 
-from numaserve.errors import NumaserveError
+from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cpulist import format_list
+from numaserve.placement import Plan, make_plan
+
+
+def _workers_flag(text: str | None) -> int | str | None:
+    """Flag text → int when it is one, else the text (the config check names the flag)."""
+    if text is None:
+        return None
+    s = text.strip()
+    try:
+        return int(s)
+    except ValueError:
+        return s.lower() if s.lower() == "auto" else s
+
+
+def _memory(mempolicy: str, nodes: tuple[int, ...]) -> str:
+    return f"{mempolicy}:{format_list(nodes)}" if nodes else mempolicy
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a readable table, then IRQ CPUs, skipped nodes and notes."""
+    header = ("SLOT", "NODE", "IDX", "CPUS", "MEMORY", "GPUS")
+    rows = [
+        (
+            str(s.slot),
+            str(s.node),
+            str(s.index),
+            format_list(s.cpus),
+            _memory(s.mempolicy, s.memory_nodes),
+            ",".join(s.gpus) or "-",
+        )
+        for s in plan.slots
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"{len(plan.slots)} slot(s) on node(s) {format_list(plan.nodes)} "
+        f"(workers_per_node={plan.workers_per_node}, cpu_split={plan.cpu_split}, "
+        f"mempolicy={plan.mempolicy})",
+        "",
+    ]
+    for r in [header, *rows]:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    if plan.irq_cpus:
+        lines.append("")
+        lines.append("reserved for NIC IRQs:")
+        lines.extend(f"  node {n}: cpus {format_list(c)}" for n, c in sorted(plan.irq_cpus.items()))
+    if plan.skipped:
+        lines.append("")
+        lines.append("skipped:")
+        lines.extend(f"  node {s.node}: {s.reason}" for s in plan.skipped)
+    if plan.notes:
+        lines.append("")
+        lines.append("notes:")
+        lines.extend(f"  {n}" for n in plan.notes)
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, topology_root: str, declared: str | None) -> dict[str, Any]:
+    """``Plan.to_json`` plus where the topology came from."""
+    return {"root": topology_root, "declared": declared, **plan.to_json()}
 
 
 @click.command("plan")
-def plan() -> None:
-    """Not implemented yet."""
-    raise NumaserveError("plan: not implemented yet")
+@config_option
+@click.option("--root", type=click.Path(file_okay=False), default=None,
+              help="sysfs/procfs root to read (default: placement.sysfs_root, \"/\").")
+@click.option("--declared", type=click.Path(dir_okay=False), default=None,
+              help="Declared topology file (default: placement.topology_file).")
+@click.option("--nodes", default=None, help='Nodes to place workers on: "all" or a list like 0,2-3.')
+@click.option("--workers-per-node", "workers_per_node", default=None, metavar="N|auto",
+              help='Workers per node: an integer >= 1, or "auto" (GPUs, else physical cores).')
+@click.option("--json/--no-json", "as_json", default=None,
+              help="JSON output (default: when stdout is not a terminal).")
+def plan(
+    config_path: str | None,
+    root: str | None,
+    declared: str | None,
+    nodes: str | None,
+    workers_per_node: str | None,
+    as_json: bool | None,
+) -> None:
+    """Show the worker slots: node, CPUs, memory policy and GPUs of each."""
+    cfg = config_from_flags(
+        config_path,
+        {
+            "placement": {
+                "nodes": nodes,
+                "workers_per_node": _workers_flag(workers_per_node),
+                "sysfs_root": root,
+                "topology_file": declared,
+            }
+        },
+    )
+    from numaserve.topology import discover  # heavy-ish; only when the command runs
+
+    p = cfg.placement
+    topo = discover(p.sysfs_root or "/", declared=p.topology_file or None)
+    result = make_plan(topo, p)
+    if want_json(as_json):
+        echo_json(plan_json(result, topo.root, topo.declared))
+    else:
+        click.echo(format_plan(result))

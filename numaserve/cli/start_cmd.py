@@ -1,11 +1,113 @@
-"""`numaserve start` (placeholder until implemented)."""
+"""`numaserve start`: run the supervisor in the foreground (systemd style)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
 
 import click
 
-from numaserve.errors import NumaserveError
+from numaserve.cli.common import config_from_flags, config_option
+from numaserve.errors import UsageError
+
+
+def parse_workers_per_node(value: str | None) -> int | str | None:
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v == "auto":
+        return "auto"
+    if not v.isdigit() or int(v) < 1:
+        raise UsageError(f'--workers-per-node {value!r}: expected an integer >= 1 or "auto"')
+    return int(v)
 
 
 @click.command("start")
-def start() -> None:
-    """Not implemented yet."""
-    raise NumaserveError("start: not implemented yet")
+@config_option
+@click.option("--nodes", default=None, help='NUMA nodes to serve on: "all" or a list like 0,2-3.')
+@click.option("--workers-per-node", default=None, help='Workers per node: N or "auto".')
+@click.option("--bind", "binds", multiple=True, help="HOST:PORT to listen on (repeatable; [::]:PORT for IPv6).")
+@click.option("--app", default=None, help="ASGI app as module:attr (default: the embedded demo app).")
+@click.option("--cmd", default=None, help='External server command per slot, e.g. "uvicorn app:app --fd {fd}".')
+@click.option("--app-dir", default=None, help="Directory prepended to sys.path before importing --app.")
+@click.option("--backlog", type=int, default=None, help="Listen backlog of every slot's socket.")
+@click.option("--runtime-dir", default=None, help="Runtime directory for control sockets (mode 0700).")
+@click.option("--root", default=None, help="sysfs/procfs root to discover (for testing on dumps).")
+@click.option("--declared", default=None, help="Declared topology file (pretend or corrected nodes).")
+@click.option("--mempolicy", default=None, type=click.Choice(["bind", "preferred", "interleave", "local"]))
+@click.pass_context
+def start(
+    ctx: click.Context,
+    config_path: str | None,
+    nodes: str | None,
+    workers_per_node: str | None,
+    binds: tuple[str, ...],
+    app: str | None,
+    cmd: str | None,
+    app_dir: str | None,
+    backlog: int | None,
+    runtime_dir: str | None,
+    root: str | None,
+    declared: str | None,
+    mempolicy: str | None,
+) -> None:
+    """Start one pinned, memory-bound worker per NUMA node and supervise them.
+
+    Runs in the foreground. SIGTERM/SIGINT stop gracefully (in-flight requests
+    finish up to server.graceful_timeout); a second signal stops fast.
+    Exit status: 0 graceful stop, 1 fatal error, 2 bad config or arguments,
+    3 no slot could start (e.g. the app does not import), 4 stopped but
+    workers had to be killed.
+    """
+    if app and cmd:
+        raise UsageError("--app and --cmd exclude each other: give one")
+    server: dict[str, object] = {
+        "bind": list(binds) if binds else None,
+        "app": app,
+        "cmd": cmd,
+        "app_dir": app_dir,
+        "backlog": backlog,
+    }
+    # a flag choosing one kind of worker clears the other kind set in the file
+    if app:
+        server["cmd"] = ""
+    if cmd:
+        server["app"] = ""
+    overrides = {
+        "server": server,
+        "placement": {
+            "nodes": nodes,
+            "workers_per_node": parse_workers_per_node(workers_per_node),
+            "sysfs_root": root,
+            "topology_file": declared,
+            "mempolicy": mempolicy,
+        },
+        "supervisor": {"runtime_dir": runtime_dir},
+    }
+    cfg = config_from_flags(config_path, overrides, ctx)
+
+    from numaserve.log import configure_logging
+
+    configure_logging(cfg.log.level, cfg.log.format, stream=sys.stderr, process="supervisor")
+
+    from numaserve.placement import make_plan
+    from numaserve.runtime import RuntimeDir, resolve_runtime_dir
+    from numaserve.supervisor.arbiter import Supervisor
+    from numaserve.supervisor.spawn import check_cmd_template
+    from numaserve.topology import discover
+
+    if cfg.server.cmd:
+        check_cmd_template(cfg.server.cmd)
+    topo = discover(cfg.placement.sysfs_root, declared=cfg.placement.topology_file or None)
+    plan = make_plan(topo, cfg.placement)
+    runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))
+    sup = Supervisor(cfg, plan, runtime, config_path=config_path)
+    try:
+        sup.open()
+    except BaseException:
+        sup.close()
+        raise
+    code = asyncio.run(sup.run())
+    if sup.fatal:
+        click.echo(f"numaserve: error: {sup.fatal}", err=True)
+    ctx.exit(code)

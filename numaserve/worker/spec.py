@@ -17,6 +17,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     mempolicy: str                 # bind | preferred | interleave | local
     memory_nodes: list[int]
     fd: int                        # inherited listener socket (supervisor keeps its own ref)
+    extra_fds: list[int] = []      # more listeners of the same slot (other bind addresses)
     control: str                   # ZeroMQ endpoint of the supervisor's worker ROUTER
     app: str = ""                  # "module:attr"; "" = numaserve.apps.demo:app
     app_dir: str = ""              # prepended to sys.path before importing app

@@ -1,0 +1,142 @@
+"""Supervisor-owned SO_REUSEPORT listeners: one socket per worker slot.
+
+The supervisor creates every slot's socket before any worker exists, in slot
+order (TCP sockets join the reuseport group at ``listen()``, so slot order is
+group order), and keeps its reference for its whole life.  A worker gets a
+duplicate through fd inheritance; when it crashes or is replaced only the
+duplicate closes, the socket stays in the group and its accept queue keeps
+every waiting connection for the next worker (FACTS §7.1, §7.8).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass, field
+
+from numaserve.config import parse_bind
+from numaserve.errors import NumaserveError
+
+SO_REUSEPORT = getattr(socket, "SO_REUSEPORT", 15)
+
+
+@dataclass
+class Listener:
+    slot: int
+    host: str
+    port: int
+    family: int
+    sock: socket.socket
+
+    @property
+    def fd(self) -> int:
+        return self.sock.fileno()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if self.family == socket.AF_INET6 else f"{self.host}:{self.port}"
+
+
+@dataclass
+class ListenerSet:
+    """All listeners: ``by_slot[slot]`` lists one socket per bind address."""
+
+    by_slot: dict[int, list[Listener]] = field(default_factory=dict)
+
+    def fds(self, slot: int) -> list[int]:
+        return [lst.fd for lst in self.by_slot.get(slot, [])]
+
+    def all(self) -> list[Listener]:
+        return [lst for ls in self.by_slot.values() for lst in ls]
+
+    def addresses(self) -> list[str]:
+        seen: list[str] = []
+        for lst in self.all():
+            if lst.address not in seen:
+                seen.append(lst.address)
+        return seen
+
+    def close(self) -> None:
+        for lst in self.all():
+            try:
+                lst.sock.close()
+            except OSError:
+                pass
+        self.by_slot.clear()
+
+
+def _family(host: str) -> int:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise NumaserveError(f"bind {host}: cannot resolve: {e.strerror}") from None
+    return infos[0][0]
+
+
+def make_listener(host: str, port: int, backlog: int) -> socket.socket:
+    """One TCP listener with SO_REUSEPORT (identical options on every slot)."""
+    fam = _family(host)
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_REUSEPORT, 1)
+        if fam == socket.AF_INET6:
+            # [::] and 0.0.0.0 are separate listeners (separate bind entries)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        hint = ""
+        if e.errno == errno.EADDRINUSE:
+            hint = " (another process without SO_REUSEPORT, or of another user, holds the port)"
+        elif e.errno == errno.EACCES:
+            hint = " (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            hint = " (no such local address)"
+        raise NumaserveError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    return sock
+
+
+def open_listeners(binds: list[str], slots: list[int], backlog: int) -> ListenerSet:
+    """Create every slot's listeners, in slot order, for every bind address.
+
+    Port 0 picks one free port for the first slot and reuses it for the rest,
+    so all slots share one port (tests rely on this).
+    """
+    out = ListenerSet()
+    try:
+        for bind in binds:
+            host, port = parse_bind(bind)
+            fam = _family(host)
+            for slot in slots:
+                sock = make_listener(host, port, backlog)
+                if port == 0:
+                    port = sock.getsockname()[1]
+                out.by_slot.setdefault(slot, []).append(Listener(slot, host, port, fam, sock))
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def accept_queue_depth(sock: socket.socket) -> int | None:
+    """Connections waiting in a listener's accept queue (TCP_INFO tcpi_unacked).
+
+    For a listening socket the kernel reports the current accept-queue length
+    in ``tcpi_unacked`` (and the backlog in ``tcpi_sacked``).
+    """
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    if len(info) < 32:
+        return None
+    import struct
+
+    # struct tcp_info: 8 u8 fields, then u32 rto, ato, snd_mss, rcv_mss, unacked, sacked, ...
+    unacked = struct.unpack_from("I", info, 8 + 4 * 4)[0]
+    return int(unacked)

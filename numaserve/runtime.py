@@ -1,0 +1,127 @@
+"""The runtime directory: control sockets, lock and pid file, mode 0700.
+
+Resolution order: ``supervisor.runtime_dir`` (config/flag) → ``$RUNTIME_DIRECTORY``
+(systemd's ``RuntimeDirectory=``) → ``/run/numaserve`` when we may create it →
+``$XDG_RUNTIME_DIR/numaserve`` → ``/tmp/numaserve-<uid>``.  The directory is
+created under umask 077 so sockets bound inside are never reachable by other
+users, not even for the instant between bind and chmod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from numaserve.errors import NumaserveError, UsageError
+
+CONTROL_SOCKET = "control.sock"
+OPS_SOCKET = "ops.sock"
+EVENTS_SOCKET = "events.sock"
+LOCK_FILE = "supervisor.lock"
+PID_FILE = "supervisor.pid"
+
+
+def resolve_runtime_dir(configured: str = "", environ: dict[str, str] | None = None) -> Path:
+    """Pick the runtime directory (does not create it)."""
+    env = os.environ if environ is None else environ
+    if configured:
+        return Path(configured)
+    if env.get("RUNTIME_DIRECTORY"):
+        # systemd may pass several, colon-separated; the first is ours
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0])
+    run = Path("/run")
+    if os.geteuid() == 0 and run.is_dir():
+        return run / "numaserve"
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "numaserve"
+    return Path(f"/tmp/numaserve-{os.getuid()}")
+
+
+@contextlib.contextmanager
+def tight_umask() -> Iterator[None]:
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create ``path`` 0700 (owned by us) or refuse one others could enter."""
+    with tight_umask():
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise NumaserveError(f"runtime directory {path}: cannot create: {e.strerror}") from None
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NumaserveError(f"runtime directory {path}: exists and is not a directory")
+    if st.st_uid != os.geteuid():
+        raise NumaserveError(
+            f"runtime directory {path}: owned by uid {st.st_uid}, not us ({os.geteuid()}); refusing to use it"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        # ours, but too open (e.g. created by hand): tighten before any socket exists
+        os.chmod(path, 0o700)
+
+
+@dataclass
+class RuntimeDir:
+    """An owned runtime directory; holding ``lock_fd`` marks a live supervisor."""
+
+    path: Path
+    lock_fd: int | None = None
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.path / name}"
+
+    def acquire(self) -> None:
+        """Lock the directory for this supervisor and clear stale files.
+
+        The lock is an flock, released by the kernel when a supervisor dies
+        however it dies, so files a killed supervisor left behind never block
+        the next start; a *live* supervisor's lock does.
+        """
+        ensure_private_dir(self.path)
+        with tight_umask():
+            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                pid = read_pid(self.path)
+                raise UsageError(
+                    f"another supervisor (pid {pid or '?'}) is running with runtime directory {self.path}; "
+                    "stop it first or use another --runtime-dir"
+                ) from None
+            raise
+        self.lock_fd = fd
+        for name in (CONTROL_SOCKET, OPS_SOCKET, EVENTS_SOCKET, PID_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        with tight_umask():
+            tmp = self.path / (PID_FILE + ".tmp")
+            tmp.write_text(f"{os.getpid()}\n")
+            tmp.replace(self.path / PID_FILE)
+
+    def release(self) -> None:
+        for name in (CONTROL_SOCKET, OPS_SOCKET, EVENTS_SOCKET, PID_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        return int((path / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None

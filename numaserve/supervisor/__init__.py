@@ -1,0 +1,1 @@
+"""The supervisor side: listeners, slots, spawn, supervision loop, ops socket."""

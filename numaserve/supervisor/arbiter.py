@@ -1,0 +1,639 @@
+"""The supervision loop: one readable loop that owns every slot.
+
+Shape (gunicorn's arbiter, nginx's master that owns the listeners):
+
+    start:  runtime dir (lock, stale files) → listeners (all slots, before
+            any worker) → ZeroMQ sockets → spawn every slot
+    loop:   every tick (≤ 0.2 s, woken early by SIGCHLD and messages):
+            reap exits → restart due slots → watchdog (hangs, boot timeouts,
+            kill escalation) → verify bindings → readiness
+    stop:   Stop to every worker (graceful) → wait → SIGKILL what remains
+            → close listeners → release the runtime dir
+
+Signal handlers only set flags (run in the event loop via add_signal_handler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from numaserve.config import Config
+from numaserve.control import messages as m
+from numaserve.errors import NumaserveError
+from numaserve.listeners import ListenerSet, accept_queue_depth, open_listeners
+from numaserve.placement import Plan
+from numaserve.runtime import CONTROL_SOCKET, EVENTS_SOCKET, OPS_SOCKET, RuntimeDir, tight_umask
+from numaserve.supervisor import slots as S
+from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.spawn import spawn
+
+log = structlog.get_logger("numaserve.supervisor")
+
+# Exit statuses of `numaserve start` (documented in README).
+EXIT_OK = 0              # graceful stop, every worker finished in time
+EXIT_ERROR = 1           # fatal runtime error
+EXIT_USAGE = 2           # bad config / arguments (raised before start)
+EXIT_NO_SLOT = 3         # no slot could start (e.g. the app cannot import)
+EXIT_FORCED = 4          # stopped, but workers had to be killed (timeout or second signal)
+
+WORKER_EXIT_APP_LOAD = 3       # numaserve.worker.main.EXIT_APP_LOAD_FAILED
+LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.launch: binding or exec failed
+LAUNCH_EXIT_NOT_FOUND = 127
+
+TICK = 0.2
+MAX_OPS_BYTES = 64 * 1024
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    if code == WORKER_EXIT_APP_LOAD:
+        return "exit 3 (app failed to load)"
+    if code == LAUNCH_EXIT_BIND_FAILED:
+        return "exit 126 (binding or exec failed in the launcher)"
+    if code == LAUNCH_EXIT_NOT_FOUND:
+        return "exit 127 (command not found)"
+    return f"exit {code}"
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, plan: Plan, runtime: RuntimeDir, *, config_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.runtime = runtime
+        self.config_path = config_path
+        sup = cfg.supervisor
+        self.policy = RestartPolicy(
+            initial=sup.backoff_initial,
+            maximum=sup.backoff_max,
+            jitter=sup.backoff_jitter,
+            reset_after=sup.backoff_reset_after,
+            loop_limit=sup.crash_loop_limit,
+            loop_window=sup.crash_loop_window,
+        )
+        self.slots: dict[int, S.SlotState] = {
+            p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
+        }
+        self.listeners = ListenerSet()
+        self.ctx: zmq.asyncio.Context | None = None
+        self.ctl: zmq.asyncio.Socket | None = None
+        self.ops: zmq.asyncio.Socket | None = None
+        self.pub: zmq.asyncio.Socket | None = None
+        self.started = time.monotonic()
+        self.state = "starting"
+        self.stopping = False
+        self.stop_deadline: float | None = None
+        self.fast_stop = False
+        self.forced_kills = False
+        self.exit_code = EXIT_OK
+        self.fatal: str | None = None
+        self.all_ready_logged = False
+        self.bad_messages = 0
+        self.wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # ------------------------------------------------------------------ start
+
+    def open(self) -> None:
+        """Everything that can fail before a worker exists (raises NumaserveError)."""
+        self.runtime.acquire()
+        self.listeners = open_listeners(
+            self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
+        )
+        self.ctx = zmq.asyncio.Context()
+        with tight_umask():
+            self.ctl = self._bind(zmq.ROUTER, CONTROL_SOCKET)
+            self.ops = self._bind(zmq.ROUTER, OPS_SOCKET)
+            self.pub = self._bind(zmq.PUB, EVENTS_SOCKET)
+        log.info(
+            "listening",
+            addresses=self.listeners.addresses(),
+            slots=len(self.slots),
+            runtime_dir=str(self.runtime.path),
+            backlog=self.cfg.server.backlog,
+        )
+
+    def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
+        assert self.ctx is not None
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.runtime.endpoint(name))
+        return sock
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGCHLD, self.wake.set)
+        self._tasks = [
+            asyncio.create_task(self._control_loop(), name="control"),
+            asyncio.create_task(self._ops_loop(), name="ops"),
+        ]
+        now = time.monotonic()
+        for slot in self.slots.values():
+            self._start_worker(slot, now)
+        try:
+            while True:
+                now = time.monotonic()
+                self._reap(now)
+                if self.stopping:
+                    self._stop_progress(now)
+                    if not any(s.worker for s in self.slots.values()):
+                        break
+                else:
+                    self._restart_due(now)
+                    self._check_boot_failure()
+                    if self.fatal:
+                        self._begin_stop("fatal: " + self.fatal, fast=False)
+                        continue
+                    self._readiness(now)
+                self._watchdog(now)
+                self._verify(now)
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), TICK)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.close()
+        if self.fatal:
+            return self.exit_code if self.exit_code != EXIT_OK else EXIT_ERROR
+        return EXIT_FORCED if self.forced_kills else EXIT_OK
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            w = slot.worker
+            if w and w.popen.poll() is None:
+                self._signal(w, signal.SIGKILL)
+                try:
+                    w.popen.wait(5)
+                except Exception:
+                    pass
+        self.listeners.close()
+        for sock in (self.ctl, self.ops, self.pub):
+            if sock is not None:
+                sock.close(0)
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        self.runtime.release()
+        log.info("stopped", exit_code=EXIT_FORCED if self.forced_kills else self.exit_code)
+
+    # ---------------------------------------------------------------- workers
+
+    def _start_worker(self, slot: S.SlotState, now: float) -> None:
+        slot.generation += 1
+        fds = self.listeners.by_slot[slot.plan.slot]
+        try:
+            popen, external = spawn(self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET))
+        except (OSError, NumaserveError) as e:
+            reason = f"spawn failed: {e}"
+            log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
+            self._after_exit(slot, now, 0.0, reason, counted=True)
+            return
+        slot.worker = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external)
+        slot.state = S.STARTING
+        log.info(
+            "spawn",
+            slot=slot.plan.slot,
+            node=slot.plan.node,
+            generation=slot.generation,
+            pid=popen.pid,
+            cpus=list(slot.plan.cpus),
+            mempolicy=slot.plan.mempolicy,
+            memory_nodes=list(slot.plan.memory_nodes),
+            external=external,
+        )
+        self.publish("spawn", slot=slot.plan.slot, generation=slot.generation, pid=popen.pid)
+
+    def _reap(self, now: float) -> None:
+        for slot in self.slots.values():
+            w = slot.worker
+            if w is None:
+                continue
+            code = w.popen.poll()
+            if code is None:
+                continue
+            slot.worker = None
+            uptime = now - w.started
+            cause = describe_exit(code)
+            reason = w.kill_reason or (f"goodbye: {w.goodbye}; {cause}" if w.goodbye and code != 0 else cause)
+            slot.requests_before += w.stats.requests if w.stats else 0
+            slot.last_exit = cause
+            if self.stopping or (w.stop_sent is not None and not w.kill_reason):
+                log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause)
+                slot.state = S.STOPPED
+                continue
+            if code == WORKER_EXIT_APP_LOAD and not slot.ever_ready:
+                slot.failed_reason = w.goodbye or cause
+            log.warning(
+                "worker_crash",
+                slot=slot.plan.slot,
+                pid=w.pid,
+                generation=w.generation,
+                exit=cause,
+                reason=reason,
+                uptime_s=round(uptime, 3),
+            )
+            self.publish("crash", slot=slot.plan.slot, pid=w.pid, reason=reason)
+            self._after_exit(slot, now, uptime, reason, counted=True, boot=w.ready is None, code=code)
+
+    def _after_exit(
+        self, slot: S.SlotState, now: float, uptime: float, reason: str, *, counted: bool,
+        boot: bool = True, code: int | None = None,
+    ) -> None:
+        delay, looping = slot.restart.record_exit(now, uptime, counted=counted)
+        slot.restarts += 1
+        slot.last_restart_reason = reason
+        boot_failure = boot and code in (WORKER_EXIT_APP_LOAD, LAUNCH_EXIT_BIND_FAILED, LAUNCH_EXIT_NOT_FOUND)
+        # At start-up (no slot has served yet) a deterministic boot failure is
+        # final for the slot, so a broken app fails fast with its reason.
+        never_served = not any(s.ever_ready for s in self.slots.values())
+        if looping or (boot_failure and never_served):
+            slot.state = S.FAILED
+            slot.failed_reason = slot.failed_reason or reason
+            log.error(
+                "slot_failed",
+                slot=slot.plan.slot,
+                reason=slot.failed_reason,
+                crashes_in_window=len(slot.restart.crashes),
+                window_s=self.policy.loop_window,
+            )
+            self.publish("slot_failed", slot=slot.plan.slot, reason=slot.failed_reason)
+            return
+        slot.state = S.BACKOFF
+        slot.next_start = now + delay
+        log.info("backoff", slot=slot.plan.slot, delay_s=round(delay, 3), consecutive=slot.restart.consecutive)
+
+    def _check_boot_failure(self) -> None:
+        """No slot could start: every slot failed before any was ever ready."""
+        states = [s.state for s in self.slots.values()]
+        if states and all(st == S.FAILED for st in states) and not any(s.ever_ready for s in self.slots.values()):
+            reasons = sorted({s.failed_reason or "unknown" for s in self.slots.values()})
+            self.fatal = "no slot could start: " + "; ".join(reasons)
+            self.exit_code = EXIT_NO_SLOT
+        elif states and all(st == S.FAILED for st in states):
+            reasons = sorted({s.failed_reason or "unknown" for s in self.slots.values()})
+            self.fatal = "every slot failed: " + "; ".join(reasons)
+            self.exit_code = EXIT_ERROR
+
+    def _restart_due(self, now: float) -> None:
+        for slot in self.slots.values():
+            if slot.state == S.BACKOFF and slot.worker is None and now >= slot.next_start:
+                self._start_worker(slot, now)
+
+    def _readiness(self, now: float) -> None:
+        slots = list(self.slots.values())
+        if all(s.state == S.READY for s in slots):
+            if not self.all_ready_logged:
+                self.all_ready_logged = True
+                self.state = "running"
+                log.info("ready", slots=len(slots), startup_s=round(now - self.started, 3))
+                self.publish("ready", slots=len(slots))
+        elif self.state == "running" and not self.stopping:
+            self.state = "degraded"
+        if self.state == "degraded" and all(s.state == S.READY for s in slots):
+            self.state = "running"
+        # External commands have no control channel: ready once alive for a grace
+        # period and the launcher has exec'd them (binding verified from outside).
+        for s in slots:
+            w = s.worker
+            if w and w.external and w.ready is None and now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
+                w.ready = now
+                w.last_beat = now
+                self._mark_ready(s, now)
+
+    def _mark_ready(self, slot: S.SlotState, now: float) -> None:
+        slot.state = S.READY
+        slot.ever_ready = True
+        slot.failed_reason = None
+        w = slot.worker
+        log.info(
+            "worker_ready",
+            slot=slot.plan.slot,
+            pid=w.pid if w else None,
+            generation=slot.generation,
+            boot_s=round(now - w.started, 3) if w else None,
+        )
+        self.publish("worker_ready", slot=slot.plan.slot, generation=slot.generation)
+
+    # --------------------------------------------------------------- watchdog
+
+    def _watchdog(self, now: float) -> None:
+        sup = self.cfg.supervisor
+        for slot in self.slots.values():
+            w = slot.worker
+            if w is None or w.popen.poll() is not None:
+                continue
+            if w.kill_sent is not None:
+                continue
+            if w.abort_sent is not None:
+                if now - w.abort_sent >= sup.abort_grace:
+                    log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not exit after SIGABRT")
+                    self._signal(w, signal.SIGKILL)
+                    w.kill_sent = now
+                continue
+            if w.stop_sent is not None:
+                deadline = self.cfg.server.graceful_timeout + 5.0
+                if now - w.stop_sent >= deadline:
+                    log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not stop in time")
+                    self._signal(w, signal.SIGKILL)
+                    w.kill_sent = now
+                    self.forced_kills = True
+                continue
+            if self.stopping:
+                continue
+            reason = None
+            if w.ready is None and now - w.started > sup.ready_timeout:
+                reason = f"not ready within {sup.ready_timeout:g}s"
+            elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
+                reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
+            if reason:
+                w.kill_reason = reason
+                w.abort_sent = now
+                log.warning("hang", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
+                self.publish("hang", slot=slot.plan.slot, pid=w.pid, reason=reason)
+                # SIGABRT first (a Python worker dumps its stack via faulthandler);
+                # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
+                self._signal(w, signal.SIGABRT)
+
+    def _signal(self, w: S.WorkerProc, sig: int) -> None:
+        try:
+            os.kill(w.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    # ----------------------------------------------------------------- verify
+
+    def _verify(self, now: float) -> None:
+        from numaserve.verify import check_placement, read_placement
+
+        interval = self.cfg.supervisor.verify_interval
+        for slot in self.slots.values():
+            w = slot.worker
+            if w is None or w.popen.poll() is not None:
+                continue
+            first = w.verified_at is None and (w.hello is not None or (w.external and now - w.started > 0.5))
+            due = w.verified_at is not None and interval > 0 and now - w.verified_at >= interval
+            if not (first or due):
+                if w.verified_at is None or now - w.verified_at >= 1.0:
+                    w.rss_bytes = _rss(w.pid) or w.rss_bytes
+                continue
+            try:
+                observed = read_placement(w.pid)
+                ok, problems = check_placement(
+                    observed, cpus=slot.plan.cpus, mempolicy=slot.plan.mempolicy, nodes=slot.plan.memory_nodes
+                )
+            except (OSError, ValueError) as e:
+                ok, problems = False, [f"could not read /proc/{w.pid}: {e}"]
+            w.rss_bytes = _rss(w.pid) or w.rss_bytes
+            changed = w.verified != ok or w.verify_problems != problems
+            w.verified, w.verify_problems, w.verified_at = ok, problems, now
+            if changed:
+                if ok:
+                    log.info("binding_verified", slot=slot.plan.slot, pid=w.pid)
+                else:
+                    log.error("binding_mismatch", slot=slot.plan.slot, pid=w.pid, problems=problems)
+
+    # ---------------------------------------------------------------- control
+
+    async def _control_loop(self) -> None:
+        assert self.ctl is not None
+        while True:
+            try:
+                frames = await self.ctl.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                log.warning("control_recv_error", error=str(e))
+                await asyncio.sleep(0.05)
+                continue
+            if len(frames) != 2:
+                self._bad("control", f"{len(frames)} frames")
+                continue
+            identity, payload = frames
+            try:
+                msg = m.decode_from_worker(payload)
+            except m.BadMessage as e:
+                self._bad("control", str(e))
+                continue
+            try:
+                self._handle_worker_msg(identity, msg)
+            except Exception as e:  # never let one message take the loop down
+                log.exception("control_handler_error", error=str(e))
+            self.wake.set()
+
+    def _bad(self, channel: str, why: str) -> None:
+        self.bad_messages += 1
+        log.debug("bad_message", channel=channel, reason=why, total=self.bad_messages)
+
+    def _handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor) -> None:
+        slot = self.slots.get(msg.slot)
+        if slot is None or slot.worker is None or slot.worker.generation != msg.generation:
+            self._bad("control", f"message for unknown slot/generation {msg.slot}/{msg.generation}")
+            return
+        w = slot.worker
+        now = time.monotonic()
+        if isinstance(msg, m.Hello):
+            if msg.protocol != m.PROTOCOL:
+                w.kill_reason = f"protocol {msg.protocol} != {m.PROTOCOL}"
+                self._signal(w, signal.SIGTERM)
+                return
+            if msg.pid != w.pid:
+                self._bad("control", f"hello from pid {msg.pid}, expected {w.pid}")
+                return
+            w.identity = identity
+            w.hello = now
+            w.last_beat = now
+            w.placement = msg.placement
+            if msg.placement is not None and not msg.placement.ok:
+                log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
+            if self.stopping:
+                self._send_stop(slot, now)
+            return
+        if w.identity is None or identity != w.identity:
+            self._bad("control", "message before hello or from another identity")
+            return
+        w.last_beat = now
+        if isinstance(msg, m.Heartbeat):
+            w.loop_lag = msg.loop_lag
+        elif isinstance(msg, m.Ready):
+            if w.ready is None:
+                w.ready = now
+                if not self.stopping:
+                    self._mark_ready(slot, now)
+        elif isinstance(msg, m.Stats):
+            w.stats = msg
+            if msg.rss_bytes:
+                w.rss_bytes = msg.rss_bytes
+        elif isinstance(msg, m.Goodbye):
+            w.goodbye = msg.reason
+            log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=msg.reason)
+        elif isinstance(msg, m.Ack):
+            log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
+
+    async def send_to_worker(self, slot: S.SlotState, msg: m.Msg) -> bool:
+        w = slot.worker
+        if w is None or w.identity is None or self.ctl is None:
+            return False
+        try:
+            await self.ctl.send_multipart([w.identity, m.encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def publish(self, event: str, **fields: Any) -> None:
+        if self.pub is None:
+            return
+        try:
+            self.pub.send_multipart(
+                [b"event", m.msgspec.json.encode({"event": event, "ts": time.time(), **fields})],
+                flags=zmq.NOBLOCK,
+            )
+        except zmq.ZMQError:
+            pass
+
+    # ------------------------------------------------------------------- stop
+
+    def _on_stop_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self.stopping:
+            log.warning("fast_stop", signal=name)
+            self._begin_stop(f"second {name}", fast=True)
+        else:
+            log.info("graceful_stop", signal=name, timeout_s=self.cfg.server.graceful_timeout)
+            self._begin_stop(name, fast=False)
+        self.wake.set()
+
+    def request_stop(self, reason: str, fast: bool = False) -> None:
+        self._begin_stop(reason, fast=fast)
+        self.wake.set()
+
+    def _begin_stop(self, reason: str, *, fast: bool) -> None:
+        now = time.monotonic()
+        first = not self.stopping
+        self.stopping = True
+        self.state = "stopping"
+        if first:
+            self.publish("stopping", reason=reason)
+        if fast:
+            self.fast_stop = True
+            for slot in self.slots.values():
+                w = slot.worker
+                if w and w.popen.poll() is None and w.kill_sent is None:
+                    self._signal(w, signal.SIGKILL)
+                    w.kill_sent = now
+                    self.forced_kills = True
+            return
+        if first:
+            for slot in self.slots.values():
+                self._send_stop(slot, now)
+
+    def _send_stop(self, slot: S.SlotState, now: float) -> None:
+        w = slot.worker
+        if w is None or w.stop_sent is not None:
+            return
+        slot.state = S.STOPPING
+        w.stop_sent = now
+        if w.identity is not None and not w.external:
+            msg = m.Stop(id=uuid.uuid4().hex[:12], deadline=self.cfg.server.graceful_timeout)
+            asyncio.get_running_loop().create_task(self.send_to_worker(slot, msg))
+        else:
+            self._signal(w, signal.SIGTERM)
+
+    def _stop_progress(self, now: float) -> None:
+        for slot in self.slots.values():
+            if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED):
+                slot.state = S.STOPPED
+
+    # -------------------------------------------------------------------- ops
+
+    async def _ops_loop(self) -> None:
+        from numaserve.supervisor.ops import handle_ops_request
+
+        assert self.ops is not None
+        while True:
+            try:
+                frames = await self.ops.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                log.warning("ops_recv_error", error=str(e))
+                await asyncio.sleep(0.05)
+                continue
+            identity = frames[0]
+            # REQ clients send [identity, b"", payload]; DEALER clients [identity, payload]
+            envelope = [identity, b""] if len(frames) == 3 and frames[1] == b"" else [identity]
+            payload = frames[-1]
+            if len(frames) not in (2, 3) or len(payload) > MAX_OPS_BYTES:
+                self._bad("ops", f"{len(frames)} frames / {len(payload)} bytes")
+                reply = m.OpsReply(ok=False, error="malformed request")
+            else:
+                try:
+                    req = m.decode_ops_request(payload)
+                except m.BadMessage as e:
+                    self._bad("ops", str(e))
+                    reply = m.OpsReply(ok=False, error=f"malformed request: {e}")
+                else:
+                    try:
+                        reply = await handle_ops_request(self, req)
+                    except Exception as e:
+                        log.exception("ops_handler_error", verb=req.verb)
+                        reply = m.OpsReply(ok=False, id=req.id, error=f"internal error: {type(e).__name__}: {e}")
+            try:
+                await self.ops.send_multipart(envelope + [m.msgspec.msgpack.encode(reply)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.wake.set()
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "supervisor": {
+                "pid": os.getpid(),
+                "state": self.state,
+                "uptime_s": round(now - self.started, 3),
+                "runtime_dir": str(self.runtime.path),
+                "config_file": self.config_path,
+                "listeners": self.listeners.addresses(),
+                "accept_queue": {
+                    str(slot): [accept_queue_depth(lst.sock) for lst in ls]
+                    for slot, ls in self.listeners.by_slot.items()
+                },
+                "bad_messages": self.bad_messages,
+                "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),
+                "cmd": self.cfg.server.cmd,
+            },
+            "plan": {"skipped": [{"node": s.node, "reason": s.reason} for s in self.plan.skipped],
+                     "notes": list(self.plan.notes)},
+            "slots": [s.status(now) for s in self.slots.values()],
+        }
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,103 @@
+"""Per-slot and per-worker state the supervision loop keeps (plain data)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from numaserve.control.messages import Placement, Stats
+from numaserve.placement import SlotPlan
+from numaserve.supervisor.backoff import RestartState
+
+# Slot states, in the order an operator usually sees them.
+STARTING = "starting"      # worker spawned, not Ready yet
+READY = "ready"            # worker serving
+BACKOFF = "backoff"        # waiting to restart after an exit
+FAILED = "failed"          # crash loop or boot failure: not restarted automatically
+STOPPING = "stopping"      # asked to stop
+STOPPED = "stopped"
+
+
+@dataclass
+class WorkerProc:
+    generation: int
+    popen: subprocess.Popen[bytes]
+    started: float                      # monotonic
+    external: bool = False              # --cmd worker: no control channel
+    identity: bytes | None = None       # ZeroMQ routing id once Hello arrived
+    hello: float | None = None
+    ready: float | None = None
+    last_beat: float | None = None
+    loop_lag: float = 0.0
+    placement: Placement | None = None  # what the worker saw from inside
+    verified: bool | None = None        # what the supervisor saw from outside
+    verify_problems: list[str] = field(default_factory=list)
+    verified_at: float | None = None
+    stats: Stats | None = None
+    rss_bytes: int = 0
+    stop_sent: float | None = None
+    abort_sent: float | None = None
+    kill_sent: float | None = None
+    kill_reason: str | None = None      # set when *we* decided it must die (hang, boot timeout)
+    goodbye: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class SlotState:
+    plan: SlotPlan
+    restart: RestartState
+    state: str = STARTING
+    worker: WorkerProc | None = None
+    generation: int = 0
+    restarts: int = 0
+    last_restart_reason: str | None = None
+    last_exit: str | None = None
+    next_start: float = 0.0
+    failed_reason: str | None = None
+    ever_ready: bool = False
+    requests_before: int = 0            # requests served by earlier generations
+
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        w = self.worker
+        stats = w.stats if w else None
+        return {
+            "slot": self.plan.slot,
+            "node": self.plan.node,
+            "index": self.plan.index,
+            "pid": w.pid if w else None,
+            "generation": self.generation,
+            "state": self.state,
+            "cpus": list(self.plan.cpus),
+            "mempolicy": self.plan.mempolicy,
+            "memory_nodes": list(self.plan.memory_nodes),
+            "gpus": list(self.plan.gpus),
+            "binding_verified": w.verified if w else None,
+            "binding_problems": list(w.verify_problems) if w else [],
+            "worker_placement": (
+                {"cpus": w.placement.cpus, "mempolicy": w.placement.mempolicy, "ok": w.placement.ok,
+                 "problems": w.placement.problems}
+                if w and w.placement else None
+            ),
+            "rss_bytes": w.rss_bytes if w else 0,
+            "uptime_s": round(now - w.started, 3) if w else 0.0,
+            "ready_s": round(now - w.ready, 3) if w and w.ready else None,
+            "restarts": self.restarts,
+            "last_restart_reason": self.last_restart_reason,
+            "last_exit": self.last_exit,
+            "failed_reason": self.failed_reason,
+            "requests": self.requests_before + (stats.requests if stats else 0),
+            "inflight": stats.inflight if stats else 0,
+            "connections": stats.connections if stats else 0,
+            "latency_ms": dict(stats.latency_ms) if stats else {},
+            "status_classes": dict(stats.status_classes) if stats else {},
+            "loop_lag_s": round(w.loop_lag, 4) if w else None,
+            "last_heartbeat_s": round(now - w.last_beat, 3) if w and w.last_beat else None,
+            "external": w.external if w else None,
+        }

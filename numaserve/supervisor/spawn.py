@@ -1,0 +1,158 @@
+"""Start one worker process, already bound, on its slot's inherited listeners.
+
+The process is started through the exec trampoline (``numaserve.launch``):
+CPU affinity and memory policy are in force before the worker's interpreter
+starts, so every thread and every page it ever has is placed (FACTS §1.6).
+``subprocess.Popen`` execs in C (no Python runs between fork and exec), which
+is safe in a supervisor that has threads (ZeroMQ's I/O thread).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from typing import Mapping
+
+from numaserve.config import Config
+from numaserve.cpulist import format_list
+from numaserve.errors import UsageError
+from numaserve.launch import build_launch_argv
+from numaserve.listeners import Listener
+from numaserve.placement import SlotPlan
+from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+
+CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
+
+
+def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Listener], control: str) -> WorkerSpec:
+    s = cfg.server
+    return WorkerSpec(
+        slot=plan.slot,
+        node=plan.node,
+        generation=generation,
+        cpus=list(plan.cpus),
+        mempolicy=plan.mempolicy,
+        memory_nodes=list(plan.memory_nodes),
+        fd=listeners[0].fd,
+        extra_fds=[lst.fd for lst in listeners[1:]],
+        control=control,
+        app=s.app,
+        app_dir=s.app_dir,
+        http=s.http,
+        loop=s.loop,
+        heartbeat_interval=cfg.supervisor.heartbeat_interval,
+        stats_interval=1.0,
+        graceful_timeout=s.graceful_timeout,
+        keepalive_timeout=s.keepalive_timeout,
+        max_header_bytes=s.max_header_bytes,
+        max_body_bytes=s.max_body_bytes,
+        read_timeout=s.read_timeout,
+        max_connections=s.max_connections,
+        access_log=s.access_log,
+        log_level=cfg.log.level,
+        log_format="json" if cfg.log.format == "auto" else cfg.log.format,
+    )
+
+
+def render_cmd(template: str, plan: SlotPlan, generation: int, listeners: list[Listener]) -> list[str]:
+    """Expand ``{fd} {host} {port} {node} {slot} {cpus}`` in an external command."""
+    first = listeners[0]
+    values = {
+        "fd": str(first.fd),
+        "fds": ",".join(str(lst.fd) for lst in listeners),
+        "host": first.host,
+        "port": str(first.port),
+        "node": str(plan.node),
+        "slot": str(plan.slot),
+        "cpus": format_list(plan.cpus),
+        "generation": str(generation),
+    }
+    try:
+        argv = shlex.split(template)
+    except ValueError as e:
+        raise UsageError(f"server.cmd: cannot split {template!r}: {e}") from None
+    out = []
+    for arg in argv:
+        try:
+            out.append(arg.format(**values))
+        except KeyError as e:
+            raise UsageError(
+                f"server.cmd: unknown placeholder {{{e.args[0]}}}: expected one of "
+                + " ".join("{" + p + "}" for p in CMD_PLACEHOLDERS)
+            ) from None
+        except (ValueError, IndexError) as e:
+            raise UsageError(f"server.cmd: bad placeholder in {arg!r}: {e}") from None
+    if not out:
+        raise UsageError("server.cmd: empty command")
+    return out
+
+
+def check_cmd_template(template: str) -> None:
+    """Validate an external command template before any listener exists."""
+    from numaserve.listeners import Listener as _L
+    import socket
+
+    fake = _L(0, "127.0.0.1", 0, socket.AF_INET, socket.socket())
+    try:
+        render_cmd(template, SlotPlan(slot=0, node=0, index=0, cpus=(0,), mempolicy="bind", memory_nodes=(0,)), 1, [fake])
+    finally:
+        fake.sock.close()
+
+
+def worker_env(base: Mapping[str, str], plan: SlotPlan, generation: int, spec: WorkerSpec | None) -> dict[str, str]:
+    env = dict(base)
+    env.update(
+        NUMASERVE_SLOT=str(plan.slot),
+        NUMASERVE_NODE=str(plan.node),
+        NUMASERVE_GENERATION=str(generation),
+        NUMASERVE_CPUS=format_list(plan.cpus),
+        NUMASERVE_MEMPOLICY=plan.mempolicy
+        + (":" + format_list(plan.memory_nodes) if plan.memory_nodes else ""),
+        PYTHONUNBUFFERED="1",
+    )
+    if spec is not None:
+        env[SPEC_ENV] = spec.to_env()
+    else:
+        env.pop(SPEC_ENV, None)
+    return env
+
+
+def spawn(
+    cfg: Config,
+    plan: SlotPlan,
+    generation: int,
+    listeners: list[Listener],
+    control: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], bool]:
+    """Start the slot's worker; returns (process, external?)."""
+    base = os.environ if environ is None else environ
+    if cfg.server.cmd:
+        argv = render_cmd(cfg.server.cmd, plan, generation, listeners)
+        spec = None
+        external = True
+    else:
+        spec = worker_spec(cfg, plan, generation, listeners, control)
+        argv = [sys.executable, "-m", "numaserve.worker"]
+        external = False
+    launch = build_launch_argv(
+        argv,
+        cpus=plan.cpus,
+        mempolicy=plan.mempolicy,
+        nodes=plan.memory_nodes,
+        ppid=os.getpid(),
+    )
+    env = worker_env(base, plan, generation, spec)
+    popen = subprocess.Popen(
+        launch,
+        pass_fds=[lst.fd for lst in listeners],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        close_fds=True,
+        process_group=0,
+        cwd=cfg.server.app_dir or None,
+    )
+    return popen, external

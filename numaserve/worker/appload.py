@@ -1,0 +1,82 @@
+"""Import the served ASGI app from ``"module:attr"`` / ``"module:factory()"``.
+
+Failures become one ``AppLoadError`` with a one-line reason, because the
+reason travels in ``Goodbye`` and ends up in ``numaserve status``: a
+traceback belongs in the log, not in a status column.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Any
+
+__all__ = ["DEFAULT_APP", "AppLoadError", "describe_exception", "load_app"]
+
+DEFAULT_APP = "numaserve.apps.demo:app"
+
+
+class AppLoadError(Exception):
+    """The app could not be imported, found or built; ``str()`` is one line."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"Type: first line of message"`` — short enough for a status line."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    name = type(exc).__name__
+    return f"{name}: {first}" if first else name
+
+
+def _is_asgi3(app: Any) -> bool:
+    """Same test uvicorn uses: an async callable (or a class with ``__await__``)."""
+    if inspect.isclass(app):
+        return hasattr(app, "__await__")
+    if inspect.isfunction(app):
+        return inspect.iscoroutinefunction(app)
+    return inspect.iscoroutinefunction(getattr(app, "__call__", None))
+
+
+def load_app(ref: str, app_dir: str = "") -> Any:
+    """Return the ASGI 3 callable named by ``ref`` ("" means the demo app).
+
+    ``app_dir`` is put first on ``sys.path`` so the operator's code wins over
+    anything installed.  ``"mod:make()"`` calls the factory with no arguments.
+    ASGI 2 apps are adapted with uvicorn's own wrapper so our ASGI 3 middleware
+    can sit in front of them.
+    """
+    ref = ref.strip() or DEFAULT_APP
+    if app_dir and app_dir not in sys.path:
+        sys.path.insert(0, app_dir)
+    module_name, sep, attr_path = ref.partition(":")
+    call = attr_path.endswith("()")
+    if call:
+        attr_path = attr_path[:-2]
+    if not sep or not module_name or not attr_path:
+        raise AppLoadError(f"bad app reference {ref!r}: expected 'module:attr' or 'module:factory()'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except BaseException as e:  # noqa: BLE001 - the app's import may raise anything, even SystemExit
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise AppLoadError(f"cannot import {module_name!r}: {describe_exception(e)}") from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AppLoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
+    if call:
+        try:
+            obj = obj()
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise AppLoadError(f"factory {ref!r} failed: {describe_exception(e)}") from e
+    if not callable(obj):
+        raise AppLoadError(f"{ref!r} is a {type(obj).__name__}, not an ASGI callable")
+    if not _is_asgi3(obj):
+        from uvicorn.middleware.asgi2 import ASGI2Middleware
+
+        obj = ASGI2Middleware(obj)
+    return obj

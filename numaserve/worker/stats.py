@@ -1,0 +1,207 @@
+"""Request counters and a fixed-bucket latency histogram for ``Stats`` messages.
+
+Buckets are fixed and log-scaled (4 per doubling, 10 µs .. ~141 s, then overflow) so every
+worker's counts line up bucket for bucket: the supervisor merges workers by
+adding the cumulative counts carried in ``extra["latency_buckets"]``, which is
+exact, instead of averaging percentiles, which is wrong.  Percentiles for the
+message itself come from a sliding window of recent intervals so they follow
+the load instead of the whole uptime.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from typing import Any
+
+__all__ = [
+    "BUCKET_UPPER_MS",
+    "LatencyHistogram",
+    "WindowedHistogram",
+    "WorkerStats",
+    "bucket_index",
+    "read_rss_bytes",
+    "status_class",
+]
+
+_BASE_MS = 0.01
+_PER_DOUBLING = 4
+_N_BUCKETS = 96  # 0.01 ms * 2**(95/4) ~= 141 s; one overflow bucket above that
+
+#: Upper bound (inclusive, ms) of each bucket; the last bucket is +inf (overflow).
+BUCKET_UPPER_MS: tuple[float, ...] = tuple(
+    [_BASE_MS * 2 ** (i / _PER_DOUBLING) for i in range(_N_BUCKETS)] + [math.inf]
+)
+
+
+def bucket_index(ms: float) -> int:
+    """Index of the first bucket whose upper bound is >= ``ms``."""
+    return bisect.bisect_left(BUCKET_UPPER_MS, ms)
+
+
+class LatencyHistogram:
+    """Counts per fixed bucket plus exact count, sum and max."""
+
+    __slots__ = ("counts", "count", "sum_ms", "max_ms")
+
+    def __init__(self) -> None:
+        self.counts: list[int] = [0] * len(BUCKET_UPPER_MS)
+        self.count = 0
+        self.sum_ms = 0.0
+        self.max_ms = 0.0
+
+    def observe(self, ms: float) -> None:
+        ms = max(0.0, ms)
+        self.counts[bucket_index(ms)] += 1
+        self.count += 1
+        self.sum_ms += ms
+        if ms > self.max_ms:
+            self.max_ms = ms
+
+    def merge(self, other: "LatencyHistogram") -> None:
+        for i, c in enumerate(other.counts):
+            if c:
+                self.counts[i] += c
+        self.count += other.count
+        self.sum_ms += other.sum_ms
+        self.max_ms = max(self.max_ms, other.max_ms)
+
+    def clear(self) -> None:
+        self.counts = [0] * len(BUCKET_UPPER_MS)
+        self.count = 0
+        self.sum_ms = 0.0
+        self.max_ms = 0.0
+
+    def percentile(self, q: float) -> float:
+        """Estimate the q-quantile (0..1) by linear interpolation inside its bucket.
+
+        Error is bounded by the bucket width (~19 %); the result never exceeds
+        the observed maximum.
+        """
+        if self.count == 0:
+            return 0.0
+        rank = q * self.count
+        cum = 0
+        for i, c in enumerate(self.counts):
+            if not c:
+                continue
+            if cum + c >= rank:
+                lo = BUCKET_UPPER_MS[i - 1] if i > 0 else 0.0
+                hi = BUCKET_UPPER_MS[i]
+                if math.isinf(hi):
+                    return self.max_ms
+                frac = (rank - cum) / c
+                return min(lo + (hi - lo) * frac, self.max_ms)
+            cum += c
+        return self.max_ms
+
+    def summary(self) -> dict[str, float]:
+        """The ``latency_ms`` dict of a Stats message (all zero when empty)."""
+        mean = self.sum_ms / self.count if self.count else 0.0
+        return {
+            "p50": round(self.percentile(0.50), 3),
+            "p90": round(self.percentile(0.90), 3),
+            "p99": round(self.percentile(0.99), 3),
+            "mean": round(mean, 3),
+            "max": round(self.max_ms, 3),
+        }
+
+
+class WindowedHistogram:
+    """A ring of ``slots`` histograms; ``rotate()`` once per stats interval.
+
+    The window therefore covers the last ``slots`` intervals (the current one
+    included), so a quiet interval does not zero the percentiles.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._ring = [LatencyHistogram() for _ in range(max(1, slots))]
+        self._cur = 0
+
+    def observe(self, ms: float) -> None:
+        self._ring[self._cur].observe(ms)
+
+    def merged(self) -> LatencyHistogram:
+        out = LatencyHistogram()
+        for h in self._ring:
+            out.merge(h)
+        return out
+
+    def rotate(self) -> None:
+        self._cur = (self._cur + 1) % len(self._ring)
+        self._ring[self._cur].clear()
+
+
+def status_class(status: int) -> str:
+    """"2xx" style class of an HTTP status (anything odd is "other")."""
+    if 100 <= status <= 599:
+        return f"{status // 100}xx"
+    return "other"
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def read_rss_bytes(path: str = "/proc/self/statm") -> int:
+    """Resident set size from statm (2nd field, pages); 0 if unreadable.
+
+    statm is one short read with no parsing of units, cheap enough to do on
+    every stats tick.
+    """
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().split()
+        return int(fields[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class WorkerStats:
+    """Everything the worker reports, updated by the ASGI middleware."""
+
+    def __init__(self, window_slots: int = 10) -> None:
+        self.requests = 0          # completed (any outcome)
+        self.inflight = 0
+        self.status_classes: dict[str, int] = {}
+        self.window = WindowedHistogram(window_slots)
+        self.cumulative = LatencyHistogram()
+        self.draining = False
+        self.rejected_body_too_large = 0
+        self.rejected_read_timeout = 0
+
+    def request_started(self) -> None:
+        self.inflight += 1
+
+    def request_finished(self, status: int, latency_ms: float) -> None:
+        self.inflight -= 1
+        self.requests += 1
+        cls = status_class(status)
+        self.status_classes[cls] = self.status_classes.get(cls, 0) + 1
+        self.window.observe(latency_ms)
+        self.cumulative.observe(latency_ms)
+
+    def snapshot(self, *, connections: int = 0, rss_bytes: int | None = None,
+                 rotate: bool = True) -> dict[str, Any]:
+        """Keyword arguments for ``Stats`` (minus slot/generation); rotates the window."""
+        summary = self.window.merged().summary()
+        if rotate:
+            self.window.rotate()
+        return {
+            "requests": self.requests,
+            "inflight": self.inflight,
+            "connections": connections,
+            "status_classes": dict(self.status_classes),
+            "latency_ms": summary,
+            "rss_bytes": read_rss_bytes() if rss_bytes is None else rss_bytes,
+            "draining": self.draining,
+            "extra": {
+                "latency_buckets": list(self.cumulative.counts),
+                "latency_bucket_upper_ms": [round(b, 6) if not math.isinf(b) else None
+                                            for b in BUCKET_UPPER_MS],
+                "latency_count": self.cumulative.count,
+                "latency_sum_ms": round(self.cumulative.sum_ms, 3),
+                "rejected_body_too_large": self.rejected_body_too_large,
+                "rejected_read_timeout": self.rejected_read_timeout,
+            },
+        }
