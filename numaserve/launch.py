@@ -155,6 +155,12 @@ def exec_program(argv: Sequence[str]) -> NoReturn:
     """execvp(argv[0], argv); LaunchError 127 when not found, 126 otherwise."""
     if not argv:
         raise LaunchError("usage", "no PROGRAM given after --")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()  # exec drops Python's buffers
+        except (OSError, ValueError):
+            pass
     try:
         os.execvp(argv[0], list(argv))
     except FileNotFoundError:

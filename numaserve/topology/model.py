@@ -102,7 +102,8 @@ class Nic:
 
 @dataclass
 class Gpu:
-    """A GPU or accelerator on PCI (class 0x03xx display, 0x12xx processing accel)."""
+    """A GPU or accelerator on PCI (class 0x03xx display, 0x12xx processing accel,
+    0x0b40 co-processor).  ``numa_node_source`` as for ``Nic``."""
 
     pci: str
     vendor: str | None
@@ -110,6 +111,7 @@ class Gpu:
     pci_class: str | None
     driver: str | None
     numa_node: int | None
+    numa_node_source: str = "unknown"
 
 
 @dataclass

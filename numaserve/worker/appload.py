@@ -54,27 +54,29 @@ def load_app(ref: str, app_dir: str = "") -> Any:
     if call:
         attr_path = attr_path[:-2]
     if not sep or not module_name or not attr_path:
-        raise AppLoadError(f"bad app reference {ref!r}: expected 'module:attr' or 'module:factory()'")
+        raise AppLoadError(
+            f"ValueError: bad app reference {ref!r}: expected 'module:attr' or 'module:factory()'")
     try:
         obj: Any = importlib.import_module(module_name)
     except BaseException as e:  # noqa: BLE001 - the app's import may raise anything, even SystemExit
         if isinstance(e, KeyboardInterrupt):
             raise
-        raise AppLoadError(f"cannot import {module_name!r}: {describe_exception(e)}") from e
+        raise AppLoadError(f"{describe_exception(e)} (importing {module_name!r})") from e
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise AppLoadError(f"module {module_name!r} has no attribute {attr_path!r}") from None
+            raise AppLoadError(
+                f"AttributeError: module {module_name!r} has no attribute {attr_path!r}") from None
     if call:
         try:
             obj = obj()
         except BaseException as e:  # noqa: BLE001
             if isinstance(e, KeyboardInterrupt):
                 raise
-            raise AppLoadError(f"factory {ref!r} failed: {describe_exception(e)}") from e
+            raise AppLoadError(f"{describe_exception(e)} (calling factory {ref!r})") from e
     if not callable(obj):
-        raise AppLoadError(f"{ref!r} is a {type(obj).__name__}, not an ASGI callable")
+        raise AppLoadError(f"TypeError: {ref!r} is a {type(obj).__name__}, not an ASGI callable")
     if not _is_asgi3(obj):
         from uvicorn.middleware.asgi2 import ASGI2Middleware
 

@@ -1,0 +1,167 @@
+"""The worker's side of the control channel: a ZeroMQ DEALER and a command dispatcher.
+
+The channel is created inside the running event loop (zmq.asyncio), i.e.
+after the launcher bound CPU and memory, so libzmq's I/O thread inherits the
+binding (FACTS §1.6).  Sends never block the loop: they are ``DONTWAIT`` and a
+full queue drops the message (counted) — a stuck supervisor must not stall
+serving; heartbeats are periodic anyway.
+
+The dispatcher is separate and transport-free so it is unit-tested with a
+fake ``post``.  Malformed frames are counted and dropped, never fatal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+from typing import Callable, Protocol
+
+import zmq
+import zmq.asyncio
+
+from numaserve.control.messages import (
+    Ack,
+    BadMessage,
+    Command,
+    Drain,
+    Msg,
+    Stop,
+    decode_from_supervisor,
+    encode,
+)
+
+__all__ = [
+    "CommandDispatcher",
+    "ControlChannel",
+    "WorkerActions",
+    "worker_identity",
+]
+
+
+def worker_identity(slot: int, generation: int, pid: int) -> bytes:
+    """ROUTER identity of a worker: ``b"slot:generation:pid"``."""
+    return f"{slot}:{generation}:{pid}".encode()
+
+
+class ControlChannel:
+    """A DEALER connected to the supervisor's worker ROUTER.
+
+    Frames from the supervisor are ``[payload]`` (a ROUTER strips the identity);
+    a leading empty delimiter frame is tolerated.  The last frame is the message.
+    """
+
+    def __init__(self, endpoint: str, identity: bytes, *, linger_ms: int = 500,
+                 sndhwm: int = 1000) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self.linger_ms = linger_ms
+        self.dropped = 0
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
+        self._sock.connect(endpoint)
+        self._closed = False
+
+    def post(self, msg: Msg) -> bool:
+        """Queue ``msg`` without blocking; False (and counted) if it was dropped."""
+        if self._closed:
+            self.dropped += 1
+            return False
+        fut = self._sock.send(encode(msg), flags=zmq.DONTWAIT)
+        if fut.done():
+            if fut.exception() is None:
+                return True
+        else:  # cannot happen with DONTWAIT, but never leave a future unobserved
+            fut.add_done_callback(lambda f: f.exception())
+            return True
+        self.dropped += 1
+        return False
+
+    async def recv(self) -> bytes:
+        """Next message payload (last frame)."""
+        frames = await self._sock.recv_multipart()
+        return frames[-1] if frames else b""
+
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close, letting queued messages (e.g. Goodbye) flush for up to ``linger_ms``."""
+        if self._closed:
+            return
+        self._closed = True
+        linger = self.linger_ms if linger_ms is None else linger_ms
+        self._sock.close(linger=linger)
+        self._ctx.term()
+
+
+class WorkerActions(Protocol):
+    """What the dispatcher asks of the worker."""
+
+    def request_stop(self, deadline: float, reason: str) -> None: ...
+
+    def request_drain(self, deadline: float) -> None: ...
+
+
+def _malloc_trim() -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+class CommandDispatcher:
+    """Turns supervisor frames into worker actions and ``Ack`` replies.
+
+    Stop/Drain are acknowledged on receipt (the supervisor learns the command
+    arrived; completion is the later ``Goodbye`` and exit status).
+    """
+
+    def __init__(self, slot: int, generation: int, actions: WorkerActions,
+                 post: Callable[[Msg], object],
+                 log_debug: Callable[..., object] | None = None) -> None:
+        self.slot = slot
+        self.generation = generation
+        self.actions = actions
+        self.post = post
+        self.bad_frames = 0
+        self._debug = log_debug or (lambda *a, **k: None)
+
+    def _ack(self, ref: str, ok: bool = True, detail: str = "") -> None:
+        self.post(Ack(slot=self.slot, generation=self.generation, ref=ref, ok=ok, detail=detail))
+
+    def handle_frame(self, frame: bytes) -> None:
+        """Decode and dispatch one frame; bad frames are counted and dropped."""
+        try:
+            msg = decode_from_supervisor(frame)
+        except BadMessage as e:
+            self.bad_frames += 1
+            self._debug("control_bad_frame", error=str(e)[:200], size=len(frame),
+                        bad_frames=self.bad_frames)
+            return
+        self.handle(msg)
+
+    def handle(self, msg: Msg) -> None:
+        if isinstance(msg, Stop):
+            self._ack(msg.id)
+            self.actions.request_stop(max(0.0, msg.deadline), "stopped")
+        elif isinstance(msg, Drain):
+            self.actions.request_drain(max(0.0, msg.deadline))
+            self._ack(msg.id)
+        elif isinstance(msg, Command):
+            self._command(msg)
+        else:  # a type the decoder accepts but we do not handle
+            self.bad_frames += 1
+            self._debug("control_unhandled", type=type(msg).__name__)
+
+    def _command(self, cmd: Command) -> None:
+        if cmd.name == "ping":
+            self._ack(cmd.id)
+        elif cmd.name == "trim":
+            collected = gc.collect()
+            trimmed = _malloc_trim()
+            self._ack(cmd.id, detail=f"gc collected {collected}; malloc_trim {'released' if trimmed else 'nothing'}")
+        else:
+            self._ack(cmd.id, ok=False, detail=f"unknown command {cmd.name}")

@@ -1,0 +1,239 @@
+"""uvicorn on the listener fd inherited from the supervisor.
+
+Version-sensitive glue (checked against uvicorn 0.54): we subclass
+``uvicorn.Server`` to (1) keep its signal handlers out — the worker's own
+SIGTERM handler and the control channel decide when to stop, (2) learn when
+it has started, and (3) drain: ``Server.servers`` (the asyncio/uvloop
+``Server`` objects, closed to stop accepting) and ``Server.server_state.
+connections`` (protocol objects whose ``shutdown()`` closes an idle
+connection or marks a busy one to close after its response).
+
+uvicorn's httptools protocol enforces no header size limit and no timeout
+until the headers are complete (measured: a 2 MB header line is accepted; a
+connection that never sends a byte stays open forever), so the default
+protocol is a small subclass that adds both: 431 past ``max_header_bytes``,
+408 (or a silent close if nothing arrived) past ``read_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any, Callable, Generator
+
+import uvicorn
+
+from numaserve.worker.spec import WorkerSpec
+
+__all__ = [
+    "WorkerServer",
+    "build_config",
+    "guarded_httptools_protocol",
+    "loop_factory",
+    "open_listener",
+]
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """Event loop factory for ``spec.loop``: uvloop for auto/uvloop when importable."""
+    if name in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if name == "uvloop":
+                raise
+            return None
+        return uvloop.new_event_loop
+    if name in ("asyncio", "none", ""):
+        return None
+    raise ValueError(f"unknown loop {name!r}: expected auto, uvloop or asyncio")
+
+
+def open_listener(fd: int) -> socket.socket:
+    """Wrap the inherited listening fd.
+
+    The supervisor holds its own descriptor for the same socket, so closing
+    ours (uvicorn does on shutdown) never closes the listener or drops its
+    accept queue.  Ours is made close-on-exec so subprocesses the app starts
+    do not pin it.  Note that asyncio/uvloop set O_NONBLOCK, which is shared
+    with the supervisor's descriptor (harmless: it never accepts).
+    """
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.type != socket.SOCK_STREAM:
+            raise OSError(f"fd {fd} is not a stream socket")
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError(f"fd {fd} is not listening")
+        sock.set_inheritable(False)
+    except BaseException:
+        sock.detach()  # not ours to close on error: leave the fd as it was
+        raise
+    return sock
+
+
+def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
+    """The httptools protocol with a header size limit and a header timeout."""
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        """HttpToolsProtocol + 431 for huge headers + 408 for slow headers.
+
+        Bytes are counted per received chunk while a request's headers are
+        incomplete, so the limit is exact up to one read chunk.
+        """
+
+        _max_header_bytes = max_header_bytes
+        _header_timeout = header_timeout
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._in_headers = True
+            self._header_bytes = 0
+            self._header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing() or not self._in_headers:
+                return
+            self._header_bytes += len(data)
+            if self._max_header_bytes and self._header_bytes > self._max_header_bytes:
+                self._reject(431, "Request header fields too large")
+                return
+            if self._header_timer is None:
+                self._arm_header_timer()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_headers = True
+            self._header_bytes = 0
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            self._header_bytes = 0
+            self._cancel_header_timer()
+            super().on_headers_complete()
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timeout and self._header_timeout > 0:
+                self._cancel_header_timer()
+                self._header_timer = self.loop.call_later(self._header_timeout, self._on_header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _busy(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _on_header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            if self._busy():  # a pipelined request is still being answered: wait for it
+                self._arm_header_timer()
+                return
+            if self._in_headers and self._header_bytes > 0:
+                self._reject(408, "Request header not received in time")
+            elif self.cycle is None:
+                self.transport.close()  # connected, never sent a byte
+
+        def _reject(self, status: int, msg: str) -> None:
+            self._cancel_header_timer()
+            if self._busy():
+                self.transport.close()  # cannot interleave a status into a running response
+                return
+            body = msg.encode("ascii")
+            content = [STATUS_LINE[status]]
+            for name, value in self.server_state.default_headers:
+                content.extend([name, b": ", value, b"\r\n"])
+            content.extend([
+                b"content-type: text/plain; charset=utf-8\r\n",
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                b"connection: close\r\n",
+                b"\r\n",
+                body,
+            ])
+            self.logger.warning("%s: %d", msg, status)
+            self.transport.write(b"".join(content))
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol
+
+
+def _http_protocol(spec: WorkerSpec) -> Any:
+    if spec.http in ("auto", "httptools"):
+        try:
+            import httptools  # noqa: F401
+        except ImportError:
+            if spec.http == "httptools":
+                raise
+            return "h11"
+        return guarded_httptools_protocol(spec.max_header_bytes, spec.read_timeout)
+    return spec.http  # "h11": h11's own max_incomplete_event_size applies
+
+
+def build_config(spec: WorkerSpec, app: Any) -> uvicorn.Config:
+    """The uvicorn Config for this worker (logging left to us: ``log_config=None``)."""
+    return uvicorn.Config(
+        app,
+        lifespan="auto",
+        http=_http_protocol(spec),
+        loop="none",  # we run the loop ourselves
+        timeout_keep_alive=spec.keepalive_timeout,  # type: ignore[arg-type]  # float works
+        timeout_graceful_shutdown=spec.graceful_timeout,  # type: ignore[arg-type]
+        h11_max_incomplete_event_size=spec.max_header_bytes,
+        limit_concurrency=spec.max_connections or None,
+        access_log=spec.access_log,
+        log_config=None,
+        server_header=False,
+        date_header=True,
+    )
+
+
+class WorkerServer(uvicorn.Server):
+    """uvicorn.Server without signal handling, with a started hook and drain helpers."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn >= 0.29 installs SIGINT/SIGTERM handlers here; we do not want them."""
+        yield
+
+    def install_signal_handlers(self) -> None:
+        """Same for uvicorn < 0.29."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_started is not None:
+            self._on_started()
+
+    def stop_accepting(self) -> int:
+        """Close our listening server(s): our fd only, the supervisor's stays open."""
+        servers = getattr(self, "servers", None) or []
+        for srv in servers:
+            srv.close()
+        return len(servers)
+
+    def shutdown_connections(self) -> int:
+        """Close idle connections now; busy ones close after their current response."""
+        conns = list(self.server_state.connections)
+        for conn in conns:
+            conn.shutdown()
+        return len(conns)
+
+    @property
+    def connection_count(self) -> int:
+        return len(self.server_state.connections)
