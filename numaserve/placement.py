@@ -222,6 +222,23 @@ def reserved_irq_cpus(topo: Topology, node_id: int, k: int) -> tuple[int, ...]:
     return _reserve(topo, topo.node(node_id), k)[0]
 
 
+def _nodes_text(ids: Iterable[int]) -> str:
+    """Node ids for a message: "0,1", "0-3,8" (ranges only for runs of three or more)."""
+    vals = sorted(set(ids))
+    parts: list[str] = []
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{vals[i]}-{vals[j]}")
+        else:
+            parts.extend(str(v) for v in vals[i:j + 1])
+        i = j + 1
+    return ",".join(parts) or "none"
+
+
 # --- argument parsing -----------------------------------------------------------
 
 
@@ -263,7 +280,7 @@ def _memory_problem(topo: Topology, node: Node, mempolicy: str) -> str | None:
     if topo.allowed_mems and mem not in topo.allowed_mems:
         return (
             f"its memory node {mem} is not allowed by the cgroup cpuset "
-            f"(allowed memory nodes: {format_list(topo.allowed_mems) or 'none'})"
+            f"(allowed memory nodes: {_nodes_text(topo.allowed_mems)})"
         )
     target = next((n for n in topo.nodes if n.id == mem), None)
     if target is not None and not target.has_memory:
@@ -339,7 +356,7 @@ def make_plan(
     all_nodes = sorted(topo.nodes, key=lambda n: n.id)
     reasons = {n.id: _skip_reason(topo, n, mempolicy) for n in all_nodes}
     usable = [n.id for n in all_nodes if reasons[n.id] is None]
-    usable_text = format_list(usable) or "none"
+    usable_text = _nodes_text(usable)
 
     skipped: list[SkippedNode] = []
     if requested is None:
@@ -352,7 +369,7 @@ def make_plan(
             if nid not in by_id:
                 raise UsageError(
                     f"node {nid} does not exist; nodes on this machine: "
-                    f"{format_list(by_id) or 'none'}; usable: {usable_text}"
+                    f"{_nodes_text(by_id)}; usable: {usable_text}"
                 )
             if reasons[nid] is not None:
                 raise UsageError(f"node {nid} cannot be used: {reasons[nid]}; usable nodes: {usable_text}")
@@ -367,7 +384,7 @@ def make_plan(
     if mempolicy == "interleave" and not interleave:
         raise UsageError(
             "mempolicy interleave: none of the planned nodes' memory nodes is allowed and has memory "
-            f"(allowed memory nodes: {format_list(topo.allowed_mems) or 'none'})"
+            f"(allowed memory nodes: {_nodes_text(topo.allowed_mems)})"
         )
 
     slots: list[SlotPlan] = []

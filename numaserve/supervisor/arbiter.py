@@ -34,6 +34,7 @@ from numaserve.placement import Plan
 from numaserve.runtime import CONTROL_SOCKET, EVENTS_SOCKET, OPS_SOCKET, RuntimeDir, tight_umask
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.spawn import spawn
 
 log = structlog.get_logger("numaserve.supervisor")
@@ -105,6 +106,8 @@ class Supervisor:
         self.all_ready_logged = False
         self.bad_messages = 0
         self.wake = asyncio.Event()
+        self.notifier = Notifier()
+        self.last_status_line = ""
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ------------------------------------------------------------------ start
@@ -167,6 +170,7 @@ class Supervisor:
                     self._readiness(now)
                 self._watchdog(now)
                 self._verify(now)
+                self._notify(now)
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), TICK)
@@ -198,6 +202,7 @@ class Supervisor:
             self.ctx.term()
             self.ctx = None
         self.runtime.release()
+        self.notifier.close()
         log.info("stopped", exit_code=EXIT_FORCED if self.forced_kills else self.exit_code)
 
     # ---------------------------------------------------------------- workers
@@ -537,6 +542,7 @@ class Supervisor:
         self.state = "stopping"
         if first:
             self.publish("stopping", reason=reason)
+            self.notifier.stopping(f"stopping: {reason}")
         if fast:
             self.fast_stop = True
             for slot in self.slots.values():
@@ -566,6 +572,38 @@ class Supervisor:
         for slot in self.slots.values():
             if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED):
                 slot.state = S.STOPPED
+
+    # ---------------------------------------------------------------- systemd
+
+    def status_line(self) -> str:
+        """One-line per-node summary for systemd's STATUS= (and logs)."""
+        nodes: dict[int, list[str]] = {}
+        for s in self.slots.values():
+            nodes.setdefault(s.plan.node, []).append(s.state)
+        parts = []
+        for node, states in sorted(nodes.items()):
+            ready = states.count(S.READY)
+            extra = sorted({st for st in states if st != S.READY})
+            parts.append(f"node{node} {ready}/{len(states)} ready" + (f" ({','.join(extra)})" if extra else ""))
+        return f"{self.state}: " + "; ".join(parts)
+
+    def _notify(self, now: float) -> None:
+        n = self.notifier
+        if not n.enabled:
+            return
+        line = self.status_line()
+        if self.state == "running" and not n.ready_sent:
+            n.ready(line)
+        elif line != self.last_status_line:
+            n.status(line)
+        self.last_status_line = line
+        # WATCHDOG=1 only from this loop and only while it is healthy: the loop
+        # ran this tick, and the control channel is alive.
+        if n.ping_due(now) and self._healthy():
+            n.ping(now)
+
+    def _healthy(self) -> bool:
+        return self.ctl is not None and not any(t.done() for t in self._tasks)
 
     # -------------------------------------------------------------------- ops
 

@@ -1,0 +1,79 @@
+"""systemd notification protocol (sd_notify(3)) without libsystemd.
+
+One AF_UNIX datagram of newline-separated KEY=VALUE lines to
+``$NOTIFY_SOCKET`` (a leading "@" is the abstract namespace).  Silent no-op
+when not run by systemd.  The watchdog interval comes from
+``$WATCHDOG_USEC`` (honoured only when ``$WATCHDOG_PID`` is unset or ours).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Mapping
+
+
+class Notifier:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        addr = env.get("NOTIFY_SOCKET", "")
+        self.address: str | None = None
+        if addr:
+            self.address = "\0" + addr[1:] if addr.startswith("@") else addr
+        self.watchdog_interval: float | None = None
+        usec = env.get("WATCHDOG_USEC", "")
+        wpid = env.get("WATCHDOG_PID", "")
+        if usec.isdigit() and int(usec) > 0 and (not wpid or wpid == str(os.getpid())):
+            self.watchdog_interval = int(usec) / 1e6
+        self.last_ping: float | None = None
+        self.ready_sent = False
+        self._sock: socket.socket | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.address is not None
+
+    def send(self, **fields: object) -> bool:
+        """Send KEY=VALUE lines; keys are given in Python form (READY=1 → READY=1)."""
+        if self.address is None:
+            return False
+        payload = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.sendto(payload, self.address)
+            return True
+        except OSError:
+            return False
+
+    def ready(self, status: str) -> None:
+        if not self.ready_sent:
+            self.ready_sent = True
+            self.send(READY=1, STATUS=status, MAINPID=os.getpid())
+            self.ping(time.monotonic())  # first ping right after READY (no kill window)
+
+    def status(self, status: str) -> None:
+        self.send(STATUS=status)
+
+    def stopping(self, status: str = "stopping") -> None:
+        self.send(STOPPING=1, STATUS=status)
+
+    def reloading(self) -> None:
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.send(RELOADING=1, MONOTONIC_USEC=usec, STATUS="reloading")
+
+    def ping_due(self, now: float) -> bool:
+        if self.watchdog_interval is None or not self.ready_sent:
+            return False
+        return self.last_ping is None or now - self.last_ping >= self.watchdog_interval / 2
+
+    def ping(self, now: float) -> None:
+        if self.watchdog_interval is not None:
+            self.send(WATCHDOG=1)
+            self.last_ping = now
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,358 @@
+"""Worker entry point: ``python -m numaserve.worker`` (started by the supervisor).
+
+The process is already bound (CPU affinity + memory policy) when this runs.
+Lifecycle: spec -> logging -> self-check -> control channel + Hello -> load
+app -> serve on the inherited fd -> Ready -> heartbeats/stats/commands ->
+Stop/Drain/SIGTERM -> Goodbye -> exit status.
+
+Exit status is part of the supervisor contract: 0 normal stop, 1 unexpected
+error (also: orphaned), 3 app load or lifespan startup failure (a boot
+failure, not a crash: restarting will not help until something changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import structlog
+
+from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
+from numaserve.worker.appload import AppLoadError, describe_exception, load_app
+from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
+from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
+from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
+from numaserve.worker.spec import WorkerSpec, spec_from_env
+from numaserve.worker.stats import WorkerStats
+
+__all__ = [
+    "EXIT_APP_LOAD_FAILED",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "IDLE_GRACE",
+    "LATENCY_WINDOW_S",
+    "Worker",
+    "check_placement",
+    "main",
+]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_APP_LOAD_FAILED = 3  # same value as uvicorn's STARTUP_FAILURE; supervisor: boot failure
+
+#: On Stop/Drain, connections we already accepted get this long (bounded by
+#: the deadline) to send one more request, answered with ``Connection: close``,
+#: before idle ones are closed.  Covers the accepted-but-not-yet-read race so
+#: a connection taken off the shared accept queue is not dropped unanswered.
+IDLE_GRACE = 0.5
+
+#: Percentiles in Stats cover about this many seconds of recent requests.
+LATENCY_WINDOW_S = 10.0
+
+_ORPHAN_DEADLINE = 5.0
+_POLL = 0.05
+
+
+def check_placement(spec: WorkerSpec) -> Placement:
+    """Observe our own binding; prefer ``numaserve.verify``, else affinity only."""
+    try:
+        from numaserve.verify import check_self  # type: ignore[attr-defined]
+    except ImportError:
+        check_self = None
+    if check_self is not None:
+        try:
+            ok, problems, observed, token = check_self(spec.cpus, spec.mempolicy, spec.memory_nodes)
+            return Placement(cpus=sorted(int(c) for c in observed), mempolicy=str(token),
+                             ok=bool(ok), problems=[str(p) for p in problems])
+        except Exception as e:  # noqa: BLE001 - a broken checker must not stop serving
+            extra = [f"verify failed: {describe_exception(e)}"]
+    else:
+        extra = ["mempolicy not checked: verify module missing"]
+    observed_cpus = sorted(os.sched_getaffinity(0))
+    problems = list(extra)
+    ok = True
+    if spec.cpus and set(observed_cpus) != set(spec.cpus):
+        ok = False
+        problems.append(f"cpu affinity {observed_cpus} differs from planned {sorted(spec.cpus)}")
+    return Placement(cpus=observed_cpus, mempolicy="unchecked", ok=ok, problems=problems)
+
+
+class Worker:
+    """One worker process's async lifecycle (see module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, log: Any) -> None:
+        self.spec = spec
+        self.log = log
+        self.pid = os.getpid()
+        self.ppid = os.getppid()
+        slots = max(1, round(LATENCY_WINDOW_S / max(spec.stats_interval, 0.01)))
+        self.stats = WorkerStats(window_slots=slots)
+        self.lifespan = LifespanRecord()
+        self.channel: ControlChannel | None = None
+        self.dispatcher: CommandDispatcher | None = None
+        self.server: WorkerServer | None = None
+        self.orphaned = False
+        self._stop_deadline: float | None = None  # time.monotonic() value
+        self._stop_reason: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopper: asyncio.Task[None] | None = None
+
+    # --- actions (called by the dispatcher, SIGTERM, the orphan check) ---------
+
+    def request_stop(self, deadline: float, reason: str) -> None:
+        """Graceful stop: stop accepting, let in-flight finish within ``deadline`` s."""
+        self._begin_stop(deadline, reason)
+
+    def request_drain(self, deadline: float) -> None:
+        """Same sequence as stop; the worker exits as soon as in-flight reaches 0."""
+        self._begin_stop(deadline, "drained")
+
+    def _begin_stop(self, deadline: float, reason: str) -> None:
+        end = time.monotonic() + deadline
+        if self._stop_deadline is None:
+            self._stop_deadline = end
+            self._stop_reason = reason
+            self.stats.draining = True
+            self.log.info("stop_requested", reason=reason, deadline=deadline)
+            self._stopper = asyncio.get_running_loop().create_task(self._stop_sequence())
+        else:  # a second request can only tighten the deadline; Stop wins over Drain
+            self._stop_deadline = min(self._stop_deadline, end)
+            if reason != "drained":
+                self._stop_reason = reason
+
+    def _remaining(self) -> float:
+        assert self._stop_deadline is not None
+        return self._stop_deadline - time.monotonic()
+
+    async def _stop_sequence(self) -> None:
+        """Stop accepting -> idle grace -> close idle conns -> wait in-flight -> uvicorn shutdown."""
+        server = self.server
+        if server is None:  # not serving yet: run() checks the deadline before serving
+            return
+        server.stop_accepting()
+        grace_end = time.monotonic() + min(IDLE_GRACE, max(0.0, self._remaining()) / 2)
+        while server.connection_count and time.monotonic() < grace_end:
+            await asyncio.sleep(_POLL)
+        closed = server.shutdown_connections()
+        while (self.stats.inflight > 0 or server.connection_count > 0) and self._remaining() > 0:
+            await asyncio.sleep(_POLL)
+        self.log.info("stop_draining_done", inflight=self.stats.inflight,
+                      connections=server.connection_count, shut_down=closed)
+        server.config.timeout_graceful_shutdown = max(0.05, self._remaining())  # type: ignore[assignment]
+        server.should_exit = True
+
+    # --- messages ----------------------------------------------------------------
+
+    def _post(self, msg: Any) -> None:
+        if self.channel is not None:
+            self.channel.post(msg)
+
+    def _on_started(self) -> None:
+        if self._stop_deadline is not None:
+            return
+        self._post(Ready(slot=self.spec.slot, generation=self.spec.generation))
+        self.log.info("ready")
+
+    async def _heartbeat_loop(self) -> None:
+        """Beats come from the event loop itself, so a blocked loop stops them."""
+        interval = self.spec.heartbeat_interval
+        spec = self.spec
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            self._post(Heartbeat(slot=spec.slot, generation=spec.generation,
+                                 loop_lag=max(0.0, now - t0 - interval), mono=now))
+            if os.getppid() != self.ppid and not self.orphaned:
+                self.orphaned = True
+                self.log.error("supervisor_gone", ppid=self.ppid, now_ppid=os.getppid())
+                self.request_stop(min(spec.graceful_timeout, _ORPHAN_DEADLINE), "supervisor gone")
+
+    async def _stats_loop(self) -> None:
+        spec = self.spec
+        while True:
+            await asyncio.sleep(spec.stats_interval)
+            server = self.server
+            conns = server.connection_count if server is not None else 0
+            snap = self.stats.snapshot(connections=conns)
+            extra = snap["extra"]
+            if self.dispatcher is not None:
+                extra["control_bad_frames"] = self.dispatcher.bad_frames
+            if self.channel is not None:
+                extra["control_dropped"] = self.channel.dropped
+            self._post(Stats(slot=spec.slot, generation=spec.generation, **snap))
+
+    async def _recv_loop(self) -> None:
+        assert self.channel is not None and self.dispatcher is not None
+        while True:
+            try:
+                frame = await self.channel.recv()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - keep serving without control rather than die
+                self.log.warning("control_recv_failed", error=describe_exception(e))
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                self.dispatcher.handle_frame(frame)
+            except Exception:  # noqa: BLE001
+                self.log.exception("control_handler_failed")
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Run to completion; always says Goodbye; returns the exit status."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop,
+                                self.spec.graceful_timeout, "stopped: SIGTERM")
+        try:
+            code, reason = await self._run()
+        except Exception as e:  # noqa: BLE001
+            self.log.exception("worker_failed")
+            code, reason = EXIT_ERROR, f"error: {describe_exception(e)}"
+        finally:
+            tasks = self._tasks + ([self._stopper] if self._stopper else [])
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.remove_signal_handler(signal.SIGTERM)
+        self._post(Goodbye(slot=self.spec.slot, generation=self.spec.generation, reason=reason))
+        self.log.info("goodbye", reason=reason, exit_code=code)
+        if self.channel is not None:
+            self.channel.close(linger_ms=500)
+        return code
+
+    async def _run(self) -> tuple[int, str]:
+        spec = self.spec
+        placement = check_placement(spec)
+        if not placement.ok or placement.problems:
+            self.log.warning("placement_problems", ok=placement.ok, problems=placement.problems,
+                             cpus=placement.cpus, mempolicy=placement.mempolicy)
+        self.channel = ControlChannel(spec.control,
+                                      worker_identity(spec.slot, spec.generation, self.pid))
+        self.dispatcher = CommandDispatcher(spec.slot, spec.generation, self, self.channel.post,
+                                            log_debug=self.log.debug)
+        self._post(Hello(slot=spec.slot, generation=spec.generation, pid=self.pid,
+                         placement=placement))
+        self._spawn(self._recv_loop())
+        self._spawn(self._heartbeat_loop())
+
+        try:
+            sock = open_listener(spec.fd)
+        except OSError as e:
+            self.log.error("listener_unusable", fd=spec.fd, error=describe_exception(e))
+            return EXIT_ERROR, f"listener fd {spec.fd} unusable: {describe_exception(e)}"
+
+        try:
+            app = load_app(spec.app, spec.app_dir)
+        except AppLoadError as e:
+            self.log.error("app_load_failed", app=spec.app or "(demo)", error=str(e),
+                           exc_info=e.__cause__ is not None)
+            sock.close()
+            return EXIT_APP_LOAD_FAILED, f"app load failed: {e}"
+
+        wrapped = MetricsMiddleware(
+            BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats),
+            self.stats, self.lifespan)
+        self.server = WorkerServer(build_config(spec, wrapped), on_started=self._on_started)
+        await asyncio.sleep(0)  # let queued control messages (an early Stop) run
+        if self._stop_deadline is not None:
+            sock.close()
+            return EXIT_OK, self._stop_reason or "stopped"
+        self._spawn(self._stats_loop())
+        try:
+            await self.server.serve(sockets=[sock])
+        except SystemExit as e:  # uvicorn's sys.exit(STARTUP_FAILURE) on lifespan failure
+            if e.code == EXIT_APP_LOAD_FAILED:
+                why = (self.lifespan.startup_failed_message or self.lifespan.exception
+                       or "see worker log")
+                return EXIT_APP_LOAD_FAILED, f"lifespan startup failed: {why.splitlines()[0]}"
+            raise RuntimeError(f"uvicorn exited with status {e.code}") from None
+        if self.orphaned:
+            return EXIT_ERROR, "supervisor gone"
+        if self._stop_reason is None:
+            return EXIT_ERROR, "server exited without a stop request"
+        return EXIT_OK, self._stop_reason
+
+
+# --- logging -----------------------------------------------------------------------
+
+
+def _fallback_logging(level: str, fmt: str) -> Any:
+    """JSON (or console) lines on stderr for structlog and stdlib (uvicorn) alike."""
+    pre = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Any
+    if fmt == "json":
+        final = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        final = [renderer]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=pre,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final]))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    structlog.configure(
+        processors=[*pre, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger("numaserve.worker")
+
+
+def _setup_logging(spec: WorkerSpec) -> Any:
+    """Use numaserve.log when it is there; otherwise an equivalent local setup."""
+    log: Any = None
+    try:
+        from numaserve.log import configure_logging, get_logger  # type: ignore[attr-defined]
+
+        configure_logging(spec.log_level, spec.log_format, stream=sys.stderr, process="worker")
+        log = get_logger("numaserve.worker")
+    except Exception:  # noqa: BLE001 - missing or incompatible: fall back, never fail to start
+        log = None
+    if log is None:
+        log = _fallback_logging(spec.log_level, spec.log_format)
+    ctx = {"slot": spec.slot, "node": spec.node, "generation": spec.generation, "pid": os.getpid()}
+    structlog.contextvars.bind_contextvars(**ctx)  # reaches uvicorn's stdlib records too
+    return log.bind(**ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the worker described by ``NUMASERVE_WORKER_SPEC``; return the exit status."""
+    del argv
+    try:
+        spec = spec_from_env()
+    except Exception as e:  # noqa: BLE001 - no endpoint to say Goodbye to: stderr only
+        sys.stderr.write(json.dumps({"event": "bad_worker_spec", "level": "error",
+                                     "error": describe_exception(e)}) + "\n")
+        return EXIT_ERROR
+    log = _setup_logging(spec)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor orchestrates; Ctrl-C hits it
+    try:
+        factory = loop_factory(spec.loop)
+    except (ValueError, ImportError) as e:
+        log.warning("loop_unavailable", loop=spec.loop, error=describe_exception(e))
+        factory = None
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(Worker(spec, log).run())
+    except BaseException:  # noqa: BLE001 - last resort: structured, then status 1
+        log.exception("worker_crashed")
+        return EXIT_ERROR

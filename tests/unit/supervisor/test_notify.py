@@ -1,0 +1,56 @@
+import os
+import socket
+
+from numaserve.supervisor.notify import Notifier
+
+
+def _sock(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    s.settimeout(2)
+    return s, path
+
+
+def test_disabled_without_notify_socket():
+    n = Notifier({})
+    assert not n.enabled and n.send(READY=1) is False
+
+
+def test_ready_sends_ready_status_and_first_watchdog_ping(tmp_path):
+    s, path = _sock(tmp_path)
+    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"})
+    assert n.watchdog_interval == 2.0
+    n.ready("running: node0 2/2 ready")
+    first = s.recv(4096).decode().split("\n")
+    assert "READY=1" in first and "STATUS=running: node0 2/2 ready" in first and f"MAINPID={os.getpid()}" in first
+    assert s.recv(4096) == b"WATCHDOG=1"
+    n.ready("again")  # READY only once
+    n.stopping()
+    assert s.recv(4096).decode().startswith("STOPPING=1")
+
+
+def test_watchdog_interval_ignored_for_other_pid(tmp_path):
+    n = Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
+    assert n.watchdog_interval is None
+
+
+def test_ping_due_every_half_interval(tmp_path):
+    s, path = _sock(tmp_path)
+    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    assert not n.ping_due(0.0)  # not before READY
+    n.ready("x")
+    t = n.last_ping
+    assert not n.ping_due(t + 0.4) and n.ping_due(t + 0.5)
+
+
+def test_abstract_namespace_address():
+    n = Notifier({"NOTIFY_SOCKET": "@foo"})
+    assert n.address == "\0foo"
+
+
+def test_reloading_carries_monotonic_usec(tmp_path):
+    s, path = _sock(tmp_path)
+    Notifier({"NOTIFY_SOCKET": path}).reloading()
+    lines = s.recv(4096).decode().split("\n")
+    assert "RELOADING=1" in lines and any(x.startswith("MONOTONIC_USEC=") for x in lines)
