@@ -47,6 +47,7 @@ __all__ = [
     "physical_cores",
     "split_cpus",
     "parse_workers_per_node",
+    "format_nodes",
 ]
 
 MEMPOLICIES = ("bind", "preferred", "interleave", "local")
@@ -222,8 +223,9 @@ def reserved_irq_cpus(topo: Topology, node_id: int, k: int) -> tuple[int, ...]:
     return _reserve(topo, topo.node(node_id), k)[0]
 
 
-def _nodes_text(ids: Iterable[int]) -> str:
-    """Node ids for a message: "0,1", "0-3,8" (ranges only for runs of three or more)."""
+def format_nodes(ids: Iterable[int]) -> str:
+    """Node ids for people: "0,1", "0-3,8", "none" (ranges only for runs of three or more,
+    since node lists are short and "0-1" reads like a typo)."""
     vals = sorted(set(ids))
     parts: list[str] = []
     i = 0
@@ -280,7 +282,7 @@ def _memory_problem(topo: Topology, node: Node, mempolicy: str) -> str | None:
     if topo.allowed_mems and mem not in topo.allowed_mems:
         return (
             f"its memory node {mem} is not allowed by the cgroup cpuset "
-            f"(allowed memory nodes: {_nodes_text(topo.allowed_mems)})"
+            f"(allowed memory nodes: {format_nodes(topo.allowed_mems)})"
         )
     target = next((n for n in topo.nodes if n.id == mem), None)
     if target is not None and not target.has_memory:
@@ -311,6 +313,53 @@ def _interleave_nodes(topo: Topology, planned: Sequence[Node]) -> tuple[int, ...
             continue
         out.add(mem)
     return tuple(sorted(out))
+
+
+def _node_workers(
+    topo: Topology,
+    node: Node,
+    reserved: tuple[int, ...],
+    wpn: int | Literal["auto"],
+    cpu_split: str,
+    notes: list[str],
+) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """(CPUs, GPUs) of each worker of one node; appends operator notes to ``notes``."""
+    kept = set(reserved)
+    worker_cpus = tuple(c for c in node.usable_cpus if c not in kept)
+    node_gpus = tuple(sorted(g.pci for g in topo.gpus if g.numa_node == node.id))
+
+    if wpn != "auto":
+        n = wpn
+    elif node_gpus:
+        n = len(node_gpus)
+        notes.append(f"node {node.id}: workers_per_node auto = {n} (one per GPU)")
+    else:
+        n = len(physical_cores(topo, worker_cpus))
+        notes.append(f"node {node.id}: workers_per_node auto = {n} (one per physical core)")
+
+    if cpu_split == "shared":
+        per_cpus = [worker_cpus] * n
+    else:
+        per_cpus, mode = split_cpus(topo, worker_cpus, n)
+        if mode == "threads":
+            ncores = len(physical_cores(topo, worker_cpus))
+            notes.append(
+                f"node {node.id}: {n} workers > {ncores} physical cores: "
+                "split by hardware thread, so some workers share a core"
+            )
+        elif mode == "shared":
+            notes.append(
+                f"node {node.id}: {n} workers > {len(worker_cpus)} usable CPUs: "
+                "CPUs are dealt round-robin, so some workers share a CPU"
+            )
+
+    if n > 1 and len(node_gpus) >= n:
+        per_gpus = [tuple(node_gpus[i::n]) for i in range(n)]
+    else:
+        per_gpus = [node_gpus] * n
+        if n > 1 and node_gpus:
+            notes.append(f"node {node.id}: {n} workers share its {len(node_gpus)} GPU(s)")
+    return list(zip(per_cpus, per_gpus))
 
 
 # --- the plan ---------------------------------------------------------------------
@@ -356,7 +405,7 @@ def make_plan(
     all_nodes = sorted(topo.nodes, key=lambda n: n.id)
     reasons = {n.id: _skip_reason(topo, n, mempolicy) for n in all_nodes}
     usable = [n.id for n in all_nodes if reasons[n.id] is None]
-    usable_text = _nodes_text(usable)
+    usable_text = format_nodes(usable)
 
     skipped: list[SkippedNode] = []
     if requested is None:
@@ -369,7 +418,7 @@ def make_plan(
             if nid not in by_id:
                 raise UsageError(
                     f"node {nid} does not exist; nodes on this machine: "
-                    f"{_nodes_text(by_id)}; usable: {usable_text}"
+                    f"{format_nodes(by_id)}; usable: {usable_text}"
                 )
             if reasons[nid] is not None:
                 raise UsageError(f"node {nid} cannot be used: {reasons[nid]}; usable nodes: {usable_text}")
@@ -384,7 +433,7 @@ def make_plan(
     if mempolicy == "interleave" and not interleave:
         raise UsageError(
             "mempolicy interleave: none of the planned nodes' memory nodes is allowed and has memory "
-            f"(allowed memory nodes: {_nodes_text(topo.allowed_mems)})"
+            f"(allowed memory nodes: {format_nodes(topo.allowed_mems)})"
         )
 
     slots: list[SlotPlan] = []
@@ -396,61 +445,23 @@ def make_plan(
             notes.append(note)
         if reserved:
             irq_cpus[node.id] = reserved
-        kept = set(reserved)
-        worker_cpus = tuple(c for c in node.usable_cpus if c not in kept)
-        node_gpus = tuple(sorted(g.pci for g in topo.gpus if g.numa_node == node.id))
-
-        if wpn == "auto":
-            if node_gpus:
-                n = len(node_gpus)
-                notes.append(f"node {node.id}: workers_per_node auto = {n} (one per GPU)")
-            else:
-                n = len(physical_cores(topo, worker_cpus))
-                notes.append(f"node {node.id}: workers_per_node auto = {n} (one per physical core)")
-        else:
-            n = wpn
-
-        if placement.cpu_split == "shared":
-            per_worker = [worker_cpus] * n
-        else:
-            per_worker, mode = split_cpus(topo, worker_cpus, n)
-            ncores = len(physical_cores(topo, worker_cpus))
-            if mode == "threads":
-                notes.append(
-                    f"node {node.id}: {n} workers > {ncores} physical cores: "
-                    "split by hardware thread, so some workers share a core"
-                )
-            elif mode == "shared":
-                notes.append(
-                    f"node {node.id}: {n} workers > {len(worker_cpus)} usable CPUs: "
-                    "CPUs are dealt round-robin, so some workers share a CPU"
-                )
-
-        if n > 1 and len(node_gpus) >= n:
-            per_gpus = [tuple(node_gpus[i::n]) for i in range(n)]
-        else:
-            per_gpus = [node_gpus] * n
-            if n > 1 and node_gpus:
-                notes.append(f"node {node.id}: {n} workers share its {len(node_gpus)} GPU(s)")
-
         if mempolicy in ("bind", "preferred"):
             memory_nodes: tuple[int, ...] = (node.bind_node,)
         elif mempolicy == "interleave":
             memory_nodes = interleave
         else:
             memory_nodes = ()
-
-        for i in range(n):
+        for i, (cpus, gpus) in enumerate(_node_workers(topo, node, reserved, wpn, placement.cpu_split, notes)):
             slot = len(slots)
             slots.append(
                 SlotPlan(
                     slot=slot,
                     node=node.id,
                     index=i,
-                    cpus=per_worker[i],
+                    cpus=cpus,
                     mempolicy=mempolicy,
                     memory_nodes=memory_nodes,
-                    gpus=per_gpus[i],
+                    gpus=gpus,
                     listener=slot,
                 )
             )

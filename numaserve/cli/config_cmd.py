@@ -22,7 +22,11 @@ def config() -> None:
 @config.command("check")
 @click.argument("file", type=click.Path())
 def check(file: str) -> None:
-    """Validate FILE (plus NUMASERVE_* environment variables); exit 2 on an error."""
+    """Validate FILE with the NUMASERVE_* environment applied.
+
+    Prints "FILE: ok" (exit 0) or one error line naming the source, key,
+    value and what was expected (exit 2).
+    """
     load_config(file)
     click.echo(f"{file}: ok")
 

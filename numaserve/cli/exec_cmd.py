@@ -100,7 +100,7 @@ def resolve(
 @click.option("--root", default="/", show_default=True, help="sysfs/procfs root to discover from.")
 @click.option("--declared", default=None, type=click.Path(dir_okay=False), help="Declared topology file.")
 @click.option("--dry-run", is_flag=True, help="Print what would be applied and exit.")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def exec_(
     node_id: int,
     cpus_text: str | None,

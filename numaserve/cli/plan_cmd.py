@@ -13,7 +13,7 @@ import click
 
 from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
 from numaserve.cpulist import format_list
-from numaserve.placement import Plan, make_plan
+from numaserve.placement import Plan, format_nodes, make_plan
 
 
 def _workers_flag(text: str | None) -> int | str | None:
@@ -28,7 +28,7 @@ def _workers_flag(text: str | None) -> int | str | None:
 
 
 def _memory(mempolicy: str, nodes: tuple[int, ...]) -> str:
-    return f"{mempolicy}:{format_list(nodes)}" if nodes else mempolicy
+    return f"{mempolicy}:{format_nodes(nodes)}" if nodes else mempolicy
 
 
 def format_plan(plan: Plan) -> str:
@@ -47,7 +47,7 @@ def format_plan(plan: Plan) -> str:
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
-        f"{len(plan.slots)} slot(s) on node(s) {format_list(plan.nodes)} "
+        f"{len(plan.slots)} slot(s) on node(s) {format_nodes(plan.nodes)} "
         f"(workers_per_node={plan.workers_per_node}, cpu_split={plan.cpu_split}, "
         f"mempolicy={plan.mempolicy})",
         "",
@@ -80,7 +80,7 @@ def plan_json(plan: Plan, topology_root: str, declared: str | None) -> dict[str,
               help="sysfs/procfs root to read (default: placement.sysfs_root, \"/\").")
 @click.option("--declared", type=click.Path(dir_okay=False), default=None,
               help="Declared topology file (default: placement.topology_file).")
-@click.option("--nodes", default=None, help='Nodes to place workers on: "all" or a list like 0,2-3.')
+@click.option("--nodes", default=None, metavar="SPEC", help='Nodes to place workers on: "all" or a list like 0,2-3.')
 @click.option("--workers-per-node", "workers_per_node", default=None, metavar="N|auto",
               help='Workers per node: an integer >= 1, or "auto" (GPUs, else physical cores).')
 @click.option("--json/--no-json", "as_json", default=None,

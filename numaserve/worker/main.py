@@ -323,7 +323,8 @@ def _setup_logging(spec: WorkerSpec) -> Any:
     try:
         from numaserve.log import configure_logging, get_logger  # type: ignore[attr-defined]
 
-        configure_logging(spec.log_level, spec.log_format, stream=sys.stderr, process="worker")
+        configure_logging(spec.log_level, spec.log_format, stream=sys.stderr,
+                          process=f"worker-{spec.slot}")
         log = get_logger("numaserve.worker")
     except Exception:  # noqa: BLE001 - missing or incompatible: fall back, never fail to start
         log = None

@@ -76,11 +76,17 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
     """The httptools protocol with a header size limit and a header timeout."""
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+    class _HeaderTooLarge(Exception):
+        pass
+
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """HttpToolsProtocol + 431 for huge headers + 408 for slow headers.
 
-        Bytes are counted per received chunk while a request's headers are
-        incomplete, so the limit is exact up to one read chunk.
+        Header size is counted two ways: exactly from the URL/header callbacks
+        (catches a huge header block that arrives in one read), and from raw
+        bytes received while the headers are still incomplete (catches one
+        endless header line before httptools finishes buffering it; exact up
+        to one read chunk).
         """
 
         _max_header_bytes = max_header_bytes
@@ -89,7 +95,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._in_headers = True
-            self._header_bytes = 0
+            self._header_bytes = 0      # exact, from callbacks
+            self._raw_header_bytes = 0  # received while headers incomplete
+            self._too_large = False
             self._header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -104,21 +112,41 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
             super().data_received(data)
             if self.transport.is_closing() or not self._in_headers:
                 return
-            self._header_bytes += len(data)
-            if self._max_header_bytes and self._header_bytes > self._max_header_bytes:
+            self._raw_header_bytes += len(data)
+            if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
                 self._reject(431, "Request header fields too large")
                 return
             if self._header_timer is None:
                 self._arm_header_timer()
 
+        def send_400_response(self, msg: str) -> None:
+            if self._too_large:  # our callback stopped the parser: say why
+                self._reject(431, "Request header fields too large")
+            else:
+                super().send_400_response(msg)
+
+        def _count(self, n: int) -> None:
+            self._header_bytes += n
+            if self._max_header_bytes and self._header_bytes > self._max_header_bytes:
+                self._too_large = True
+                raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError -> 400 path
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = True
             self._header_bytes = 0
+            self._raw_header_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            self._count(len(url))
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            super().on_header(name, value)
+            self._count(len(name) + len(value) + 4)
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
-            self._header_bytes = 0
             self._cancel_header_timer()
             super().on_headers_complete()
 
@@ -142,7 +170,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
             if self._busy():  # a pipelined request is still being answered: wait for it
                 self._arm_header_timer()
                 return
-            if self._in_headers and self._header_bytes > 0:
+            if self._in_headers and self._raw_header_bytes > 0:
                 self._reject(408, "Request header not received in time")
             elif self.cycle is None:
                 self.transport.close()  # connected, never sent a byte

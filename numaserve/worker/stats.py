@@ -2,8 +2,9 @@
 
 Buckets are fixed and log-scaled (4 per doubling, 10 µs .. ~141 s, then overflow) so every
 worker's counts line up bucket for bucket: the supervisor merges workers by
-adding the cumulative counts carried in ``extra["latency_buckets"]``, which is
-exact, instead of averaging percentiles, which is wrong.  Percentiles for the
+adding the cumulative counts carried in ``extra["latency_buckets"]`` (layout
+named by ``extra["latency_bucket_schema"]``, bounds in ``BUCKET_UPPER_MS``),
+which is exact, instead of averaging percentiles, which is wrong.  Percentiles for the
 message itself come from a sliding window of recent intervals so they follow
 the load instead of the whole uptime.
 """
@@ -16,6 +17,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "BUCKET_SCHEMA",
     "BUCKET_UPPER_MS",
     "LatencyHistogram",
     "WindowedHistogram",
@@ -28,6 +30,9 @@ __all__ = [
 _BASE_MS = 0.01
 _PER_DOUBLING = 4
 _N_BUCKETS = 96  # 0.01 ms * 2**(95/4) ~= 141 s; one overflow bucket above that
+
+#: Names the bucket layout in ``extra``; bump it if the layout ever changes.
+BUCKET_SCHEMA = f"log2/{_PER_DOUBLING}:{_BASE_MS}ms:{_N_BUCKETS + 1}"
 
 #: Upper bound (inclusive, ms) of each bucket; the last bucket is +inf (overflow).
 BUCKET_UPPER_MS: tuple[float, ...] = tuple(
@@ -197,8 +202,7 @@ class WorkerStats:
             "draining": self.draining,
             "extra": {
                 "latency_buckets": list(self.cumulative.counts),
-                "latency_bucket_upper_ms": [round(b, 6) if not math.isinf(b) else None
-                                            for b in BUCKET_UPPER_MS],
+                "latency_bucket_schema": BUCKET_SCHEMA,
                 "latency_count": self.cumulative.count,
                 "latency_sum_ms": round(self.cumulative.sum_ms, 3),
                 "rejected_body_too_large": self.rejected_body_too_large,

@@ -151,3 +151,30 @@ def test_end_to_end_with_real_discovery(env, capsys) -> None:
     assert {e["irq"] for e in data["entries"]} == set(range(32, 40))
     assert all(e["target"] in ("2", "3") for e in data["entries"])
     assert any(s["irq"] == 31 for s in data["skipped"])
+
+
+def test_end_to_end_declared_nic_node_and_apply(env, capsys) -> None:
+    """Real discovery on smt2n: eth1's unknown node is fixed by a declared file; apply + restore."""
+    from numaserve import topology
+
+    if not hasattr(topology, "discover"):
+        pytest.skip("numaserve.topology.discover not written yet")
+    tmp, cfg = env
+    root = _copy("smt2n", tmp)
+    decl = tmp / "declared.toml"
+    decl.write_text('mode = "correct"\n[nic.eth1]\nnode = 0\n')
+    state = tmp / "s.json"
+    code, out, _ = run_main(["irq", "plan", "--root", str(root), "--config", str(cfg), "--declared", str(decl),
+                             "--json"], capsys)
+    assert code == 0, out
+    targets = {e["irq"]: e["target"] for e in json.loads(out)["entries"]}
+    assert targets == {50: "2", 51: "3", 52: "6", 53: "7", 54: "2", 55: "3", 60: "0", 61: "1"}
+    snap = {p: p.read_text() for p in (root / "proc/irq").rglob("smp_affinity_list")}
+    code, out, err = run_main(["irq", "apply", "--root", str(root), "--config", str(cfg), "--declared",
+                               str(decl), "--state-file", str(state), "--force-with-irqbalance", "--json"], capsys)
+    assert code == 0, err
+    assert (root / "proc/irq/61/smp_affinity_list").read_text().strip() == "1"
+    code, out, _ = run_main(["irq", "restore", "--root", str(root), "--config", str(cfg), "--state-file",
+                             str(state), "--json"], capsys)
+    assert code == 0
+    assert {p: p.read_text() for p in (root / "proc/irq").rglob("smp_affinity_list")} == snap

@@ -1,0 +1,1 @@
+"""Apps embedded in numaserve; ``demo`` is served when no app is configured."""

@@ -1,0 +1,430 @@
+"""The worker as a real process, with the test playing supervisor.
+
+The test owns a SO_REUSEPORT listener and a ZeroMQ ROUTER, starts
+``python -m numaserve.worker`` with the spec in the environment and the
+listener fd passed, and checks the control protocol and real HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+
+from numaserve.control.messages import (
+    Ack,
+    Command,
+    Drain,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Ready,
+    Stats,
+    Stop,
+    decode_from_worker,
+    encode,
+)
+from numaserve.worker.main import EXIT_APP_LOAD_FAILED
+from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+SLOW_APP = textwrap.dedent('''
+    import asyncio
+
+    def make():
+        async def app(scope, receive, send):
+            if scope["type"] == "lifespan":
+                while True:
+                    m = await receive()
+                    if m["type"] == "lifespan.startup":
+                        await send({"type": "lifespan.startup.complete"})
+                    else:
+                        await send({"type": "lifespan.shutdown.complete"})
+                        return
+            delay = float(scope["query_string"].decode() or "0")
+            more = True
+            while more:
+                more = (await receive()).get("more_body", False)
+            await asyncio.sleep(delay)
+            body = b"slept %g" % delay
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        return app
+''')
+
+FAILING_LIFESPAN_APP = textwrap.dedent('''
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.failed", "message": "boom: no model\\nsecond line"})
+            return
+''')
+
+
+class FakeSupervisor:
+    """Listener + ROUTER, like the real supervisor holds them."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="nsw-")  # short path: ipc names are limited to ~107 bytes
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self.endpoint = f"ipc://{self.dir}/ctl.sock"
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(self.endpoint)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.backlog: list[tuple[bytes, Any]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spec(self, **overrides: Any) -> WorkerSpec:
+        base: dict[str, Any] = dict(
+            slot=0, node=0, generation=1, cpus=sorted(os.sched_getaffinity(0)),
+            mempolicy="local", memory_nodes=[0], fd=self.listener.fileno(),
+            control=self.endpoint, heartbeat_interval=0.2, stats_interval=0.2,
+            graceful_timeout=5.0,
+        )
+        base.update(overrides)
+        return WorkerSpec(**base)
+
+    def spawn(self, **overrides: Any) -> subprocess.Popen[bytes]:
+        spec = self.spec(**overrides)
+        env = dict(os.environ)
+        env[SPEC_ENV] = spec.to_env()
+        log = open(Path(self.dir) / f"worker-{len(self.procs)}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "numaserve.worker"], env=env,
+                                pass_fds=[self.listener.fileno()], stdout=log, stderr=log)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(Path(self.dir).glob("*.log")))
+
+    def recv(self, timeout: float) -> tuple[bytes, Any] | None:
+        if self.router.poll(int(timeout * 1000)):
+            frames = self.router.recv_multipart()
+            return frames[0], decode_from_worker(frames[-1])
+        return None
+
+    def expect(self, kind: type, timeout: float = 10.0, pid: int | None = None,
+               where: Any = None) -> tuple[bytes, Any]:
+        """Next message of ``kind`` (from ``pid`` if given); others are kept in ``backlog``."""
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            got = self.recv(max(0.0, left)) if left > 0 else None
+            if got is None:
+                raise AssertionError(f"no {kind.__name__} within {timeout}s\n--- worker logs ---\n"
+                                     + self.logs()[-4000:])
+            ident, msg = got
+            if isinstance(msg, kind) and (pid is None or ident.endswith(f":{pid}".encode())) \
+                    and (where is None or where(msg)):
+                return ident, msg
+            self.backlog.append(got)
+
+    def send(self, ident: bytes, msg: Any) -> None:
+        self.router.send_multipart([ident, encode(msg)])
+
+    def start_ready(self, **overrides: Any) -> tuple[subprocess.Popen[bytes], bytes]:
+        proc = self.spawn(**overrides)
+        ident, hello = self.expect(Hello, pid=proc.pid)
+        assert hello.pid == proc.pid
+        self.expect(Ready, pid=proc.pid)
+        return proc, ident
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        self.router.close(0)
+        self.ctx.term()
+        self.listener.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def sup() -> Any:
+    s = FakeSupervisor()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def write_app(sup: FakeSupervisor, name: str, source: str) -> str:
+    d = Path(sup.dir) / "apps"
+    d.mkdir(exist_ok=True)
+    (d / f"{name}.py").write_text(source)
+    return str(d)
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> tuple[bytes, bool]:
+    """Send ``data``; return everything read until the server closes, and whether it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        chunks = []
+        closed = False
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            except ConnectionResetError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            chunks.append(chunk)
+        return b"".join(chunks), closed
+
+
+# --- tests -----------------------------------------------------------------------
+
+
+def test_lifecycle_http_heartbeats_stats_stop_and_queued_connection_survives(sup: FakeSupervisor) -> None:
+    proc = sup.spawn()
+    ident, hello = sup.expect(Hello, pid=proc.pid)
+    assert hello.slot == 0 and hello.generation == 1
+    assert ident == f"0:1:{proc.pid}".encode()
+    assert hello.placement is not None and hello.placement.cpus
+    sup.expect(Ready, pid=proc.pid)
+
+    with httpx.Client(base_url=sup.url, timeout=10) as c:
+        who = c.get("/").json()
+        assert who["pid"] == proc.pid
+        assert c.get("/healthz").text == "ok"
+        r = c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 8})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+        assert c.get("/nope").status_code == 404
+
+    beats = [sup.expect(Heartbeat, pid=proc.pid)[1] for _ in range(5)]
+    gaps = [b.mono - a.mono for a, b in zip(beats, beats[1:])]
+    assert all(0.15 < g < 0.6 for g in gaps), gaps
+    assert all(b.loop_lag < 0.2 for b in beats)
+
+    _, stats = sup.expect(Stats, pid=proc.pid, where=lambda m: m.requests >= 4)
+    assert stats.status_classes.get("2xx") == 3 and stats.status_classes.get("4xx") == 1
+    assert stats.inflight == 0 and stats.rss_bytes > 0
+    assert stats.latency_ms["max"] > 0 and sum(stats.extra["latency_buckets"]) == 4
+
+    sup.send(ident, Stop(id="stop-1", deadline=5))
+    _, ack = sup.expect(Ack, pid=proc.pid)
+    assert ack.ref == "stop-1" and ack.ok
+    _, bye = sup.expect(Goodbye, pid=proc.pid)
+    assert bye.reason == "stopped"
+    assert proc.wait(10) == 0
+
+    # No worker now: a client connects (the kernel completes the handshake into
+    # the listener's backlog) and sends its request. A new worker on the same
+    # fd must answer it.
+    queued = socket.create_connection(("127.0.0.1", sup.port), timeout=10)
+    queued.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    proc2, _ = sup.start_ready(generation=2)
+    data = b""
+    while chunk := queued.recv(65536):
+        data += chunk
+    queued.close()
+    assert data.startswith(b"HTTP/1.1 200"), data
+    assert data.endswith(b"ok")
+    assert proc2.pid != proc.pid
+
+
+def test_sigstop_stops_heartbeats(sup: FakeSupervisor) -> None:
+    proc, _ = sup.start_ready()
+    sup.expect(Heartbeat, pid=proc.pid)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.05)
+        while sup.recv(0.05) is not None:  # whatever was queued before the stop took effect
+            pass
+        silent_until = time.monotonic() + 1.0
+        while time.monotonic() < silent_until:
+            got = sup.recv(silent_until - time.monotonic())
+            assert got is None or not isinstance(got[1], Heartbeat), "heartbeat from a stopped worker"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    _, beat = sup.expect(Heartbeat, pid=proc.pid, timeout=5)
+    assert beat.loop_lag > 0.5  # the late beat reports how long the loop was stalled
+
+
+def test_drain_finishes_inflight_then_exits(sup: FakeSupervisor) -> None:
+    app_dir = write_app(sup, "slowapp", SLOW_APP)
+    proc, ident = sup.start_ready(app="slowapp:make()", app_dir=app_dir)
+    result: dict[str, Any] = {}
+
+    def slow() -> None:
+        with httpx.Client(timeout=15) as c:
+            r = c.get(f"{sup.url}/?1.0")
+            result["status"] = r.status_code
+            result["body"] = r.text
+            result["connection"] = r.headers.get("connection")
+
+    t = threading.Thread(target=slow)
+    t.start()
+    sup.expect(Stats, pid=proc.pid, where=lambda m: m.inflight == 1)
+    sup.send(ident, Drain(id="drain-1", deadline=10))
+    _, ack = sup.expect(Ack, pid=proc.pid)
+    assert ack.ref == "drain-1"
+    # while draining, a new connection stays queued in the listener (not accepted by us)
+    sup.expect(Stats, pid=proc.pid, where=lambda m: m.draining)
+    _, bye = sup.expect(Goodbye, pid=proc.pid, timeout=10)
+    t.join(10)
+    assert result == {"status": 200, "body": "slept 1", "connection": "close"}
+    assert bye.reason == "drained"
+    assert proc.wait(10) == 0
+
+
+def test_drain_closes_keepalive_connections(sup: FakeSupervisor) -> None:
+    proc, ident = sup.start_ready()
+    with socket.create_connection(("127.0.0.1", sup.port), timeout=5) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while not first.endswith(b"\r\n\r\nok"):
+            chunk = s.recv(65536)
+            assert chunk, first
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first.lower()
+        sup.send(ident, Drain(id="d", deadline=5))
+        sup.expect(Ack, pid=proc.pid)
+        # within the idle grace, a request on the kept-alive connection is served with close
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = b""
+        while chunk := s.recv(65536):
+            second += chunk
+        assert second.startswith(b"HTTP/1.1 200") and b"connection: close" in second.lower()
+    sup.expect(Goodbye, pid=proc.pid)
+    assert proc.wait(10) == 0
+
+
+def test_bad_app_is_a_boot_failure(sup: FakeSupervisor) -> None:
+    proc = sup.spawn(app="nosuchmod:app")
+    sup.expect(Hello, pid=proc.pid)
+    _, bye = sup.expect(Goodbye, pid=proc.pid)
+    assert bye.reason.startswith("app load failed: ModuleNotFoundError")
+    assert "nosuchmod" in bye.reason and "\n" not in bye.reason
+    assert proc.wait(10) == EXIT_APP_LOAD_FAILED == 3
+
+
+def test_lifespan_startup_failure_is_a_boot_failure(sup: FakeSupervisor) -> None:
+    app_dir = write_app(sup, "badlife", FAILING_LIFESPAN_APP)
+    proc = sup.spawn(app="badlife:app", app_dir=app_dir)
+    _, bye = sup.expect(Goodbye, pid=proc.pid)
+    assert bye.reason == "lifespan startup failed: boom: no model"
+    assert proc.wait(10) == 3
+
+
+@pytest.mark.parametrize("http", ["auto", "h11"])
+def test_malformed_and_oversized_requests_are_answered_and_closed(sup: FakeSupervisor, http: str) -> None:
+    proc, _ = sup.start_ready(http=http, max_header_bytes=8192, max_body_bytes=1000)
+    data, closed = raw_exchange(sup.port, b"\x16\x03\x01garbage\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 400") and closed
+    data, closed = raw_exchange(sup.port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000
+                                + b"\r\n\r\n")
+    # httptools (auto): our 431; h11: uvicorn answers 400
+    assert data.startswith(b"HTTP/1.1 431" if http == "auto" else b"HTTP/1.1 400"), data[:80]
+    assert closed
+    data, closed = raw_exchange(sup.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Length: 5000\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 413") and closed
+    data, closed = raw_exchange(sup.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n" + b"3e8\r\n" + b"x" * 1000
+                                + b"\r\n" + b"3e8\r\n" + b"x" * 1000 + b"\r\n0\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 413") and closed
+    with httpx.Client(timeout=5) as c:  # still serving
+        assert c.get(f"{sup.url}/healthz").status_code == 200
+    assert proc.poll() is None
+
+
+def test_slow_body_and_slow_headers_get_408(sup: FakeSupervisor) -> None:
+    sup.start_ready(read_timeout=0.5)
+    t0 = time.monotonic()
+    data, closed = raw_exchange(sup.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    assert data.startswith(b"HTTP/1.1 408") and closed
+    assert time.monotonic() - t0 < 3
+    data, closed = raw_exchange(sup.port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    assert data.startswith(b"HTTP/1.1 408") and closed
+
+
+def test_garbage_on_control_socket_is_dropped(sup: FakeSupervisor) -> None:
+    proc, ident = sup.start_ready()
+    for junk in (b"", b"\x00\x01\x02", b"\xc1" * 100, encode(Ack(slot=0, generation=1, ref="x")),
+                 os.urandom(4096)):
+        sup.router.send_multipart([ident, junk])
+    sup.router.send_multipart([ident, b"extra", b"frames", b"\x93"])
+    sup.send(ident, Command(id="p1", name="ping"))
+    _, ack = sup.expect(Ack, pid=proc.pid)
+    assert ack.ref == "p1" and ack.ok
+    sup.send(ident, Command(id="u1", name="frobnicate"))
+    _, ack = sup.expect(Ack, pid=proc.pid)
+    assert not ack.ok and ack.detail == "unknown command frobnicate"
+    with httpx.Client(timeout=5) as c:
+        assert c.get(f"{sup.url}/healthz").status_code == 200
+    _, stats = sup.expect(Stats, pid=proc.pid, where=lambda m: m.extra.get("control_bad_frames", 0) >= 6)
+    assert proc.poll() is None
+
+
+def test_sigterm_is_a_graceful_stop_and_sigint_is_ignored(sup: FakeSupervisor) -> None:
+    proc, _ = sup.start_ready()
+    os.kill(proc.pid, signal.SIGINT)
+    sup.expect(Heartbeat, pid=proc.pid)
+    with httpx.Client(timeout=5) as c:
+        assert c.get(f"{sup.url}/healthz").status_code == 200
+    assert proc.poll() is None
+    os.kill(proc.pid, signal.SIGTERM)
+    _, bye = sup.expect(Goodbye, pid=proc.pid)
+    assert bye.reason == "stopped: SIGTERM"
+    assert proc.wait(10) == 0
+
+
+def test_orphaned_worker_exits(sup: FakeSupervisor) -> None:
+    """The worker's parent dies without a word: the heartbeat loop notices the reparenting."""
+    spec = sup.spec()
+    env = dict(os.environ)
+    env[SPEC_ENV] = spec.to_env()
+    fd = sup.listener.fileno()
+    launcher = (
+        "import subprocess, sys;"
+        f"p = subprocess.Popen([sys.executable, '-m', 'numaserve.worker'], pass_fds=[{fd}],"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL);"
+        "print(p.pid, flush=True);"
+        "import time; time.sleep(1.5)"  # let the worker start and note its parent, then vanish
+    )
+    out = subprocess.run([sys.executable, "-c", launcher], env=env, pass_fds=[fd],
+                         capture_output=True, timeout=20, check=True)
+    pid = int(out.stdout.split()[0])
+    try:
+        _, bye = sup.expect(Goodbye, pid=pid, timeout=15)
+        assert bye.reason == "supervisor gone"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
