@@ -579,6 +579,7 @@ def _load_state(path: str) -> dict[str, Any] | None:
         raise NumaserveError(f"irq: state file {path} has an unknown format; inspect and remove it by hand")
     data.setdefault("irqs", {})
     data.setdefault("files", {})
+    data.setdefault("labels", {})
     return data
 
 
@@ -685,7 +686,7 @@ def apply_plan(
     state = _load_state(state_file)
     if state is None:
         state = {"version": STATE_VERSION, "root": os.path.abspath(root), "created": time.time(),
-                 "irqs": {}, "files": {}}
+                 "irqs": {}, "labels": {}, "files": {}}
     else:
         _check_state_root(state, root, state_file)
 
@@ -704,6 +705,7 @@ def apply_plan(
         key = str(e.irq)
         if key not in state["irqs"]:
             state["irqs"][key] = cur
+            state["labels"][key] = {"nic": e.nic, "name": e.name}
             added.append(("irqs", key))
         todo_irqs.append((e, path, cur))
     todo_files: list[tuple[QueueFileEntry, str, str]] = []
@@ -731,7 +733,7 @@ def apply_plan(
         after = io.read(path) if written is not None or status == "ok" else cur
         if status == "ok" and written is not None and (after is None or not _same_cpus(after, parse_list(written))):
             status, err = "mismatch", f"wrote {written!r} but read back {after!r}"
-        if status in ("managed",) or (status == "failed" and written is None):
+        if status not in ("ok", "mismatch"):  # the kernel rejected every write: value unchanged
             untouched.append(("irqs", str(e.irq)))
         result.irqs.append(IrqResult(e.irq, e.nic, e.name, status, before=cur, after=after, error=err, note=note))
     for q, path, cur in todo_files:
@@ -748,6 +750,8 @@ def apply_plan(
     if drop:
         for section, key in drop:
             state[section].pop(key, None)
+            if section == "irqs":
+                state["labels"].pop(key, None)
         result.saved -= len(drop)
         _write_state(state_file, state)
     result.irqs.sort(key=lambda r: r.irq)
@@ -796,13 +800,15 @@ def restore(root: str = "/", state_file: str | None = None, *, io: AffinityIO | 
     _check_state_root(state, root, state_file)
     for key, saved in sorted(state["irqs"].items(), key=lambda kv: int(kv[0])):
         irq = int(key)
+        label = state["labels"].get(key) or {}
+        nic, name = label.get("nic"), label.get("name")
         path = _irq_path(root, irq)
         cur = io.read(path)
         if cur is None:
-            result.irqs.append(IrqResult(irq, None, None, "gone", note=f"{path} no longer exists"))
+            result.irqs.append(IrqResult(irq, nic, name, "gone", note=f"{path} no longer exists"))
             continue
         if cur == saved or _same_cpus(cur, _parse_or_empty(saved)):
-            result.irqs.append(IrqResult(irq, None, None, "unchanged", before=cur, after=cur))
+            result.irqs.append(IrqResult(irq, nic, name, "unchanged", before=cur, after=cur))
             continue
         try:
             io.write(path, saved + "\n")
@@ -813,11 +819,11 @@ def restore(root: str = "/", state_file: str | None = None, *, io: AffinityIO | 
                 st = "bad-mask"
             else:
                 st = "failed"
-            result.irqs.append(IrqResult(irq, None, None, st, before=cur, error=_errname(e)))
+            result.irqs.append(IrqResult(irq, nic, name, st, before=cur, error=_errname(e)))
             continue
         after = io.read(path)
         st = "ok" if after is not None and _same_cpus(after, _parse_or_empty(saved)) else "mismatch"
-        result.irqs.append(IrqResult(irq, None, None, st, before=cur, after=after,
+        result.irqs.append(IrqResult(irq, nic, name, st, before=cur, after=after,
                                      error=None if st == "ok" else f"wrote {saved!r}, read back {after!r}"))
     for rel, saved in sorted(state["files"].items()):
         path = os.path.join(root, rel)

@@ -140,7 +140,9 @@ def test_bad_app_is_a_clear_one_line_error() -> None:
     assert rc == 3, err
     last = [line for line in err.splitlines() if line.startswith("numaserve: error:")]
     assert last and "nosuchmod_xyz" in last[-1] and "no slot could start" in last[-1], err[-2000:]
-    assert "Traceback" not in err
+    # the worker's log keeps the import traceback inside one JSON event (useful when
+    # the error is deep in the app); nothing is dumped raw onto the terminal
+    assert not any(line.startswith("Traceback") for line in err.splitlines())
 
 
 def test_bad_cli_input_exits_2_without_traceback(tmp_path: Path) -> None:

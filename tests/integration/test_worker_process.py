@@ -7,6 +7,7 @@ listener fd passed, and checks the control protocol and real HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -270,8 +271,10 @@ def test_sigstop_stops_heartbeats(sup: FakeSupervisor) -> None:
             assert got is None or not isinstance(got[1], Heartbeat), "heartbeat from a stopped worker"
     finally:
         os.kill(proc.pid, signal.SIGCONT)
-    _, beat = sup.expect(Heartbeat, pid=proc.pid, timeout=5)
-    assert beat.loop_lag > 0.5  # the late beat reports how long the loop was stalled
+    # beats queued in the worker's zmq thread before the stop arrive first; the
+    # beat whose sleep spanned the stop reports the stall as loop lag
+    lags = [sup.expect(Heartbeat, pid=proc.pid, timeout=5)[1].loop_lag for _ in range(3)]
+    assert max(lags) > 0.5, lags
 
 
 def test_drain_finishes_inflight_then_exits(sup: FakeSupervisor) -> None:
@@ -292,13 +295,72 @@ def test_drain_finishes_inflight_then_exits(sup: FakeSupervisor) -> None:
     sup.send(ident, Drain(id="drain-1", deadline=10))
     _, ack = sup.expect(Ack, pid=proc.pid)
     assert ack.ref == "drain-1"
-    # while draining, a new connection stays queued in the listener (not accepted by us)
     sup.expect(Stats, pid=proc.pid, where=lambda m: m.draining)
+    # while draining, a new connection stays queued in the listener: not ours any more
+    late = socket.create_connection(("127.0.0.1", sup.port), timeout=10)
+    late.sendall(b"GET /?0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     _, bye = sup.expect(Goodbye, pid=proc.pid, timeout=10)
     t.join(10)
     assert result == {"status": 200, "body": "slept 1", "connection": "close"}
     assert bye.reason == "drained"
     assert proc.wait(10) == 0
+    # ... and the replacement answers it
+    sup.start_ready(generation=2, app="slowapp:make()", app_dir=app_dir)
+    data = b""
+    while chunk := late.recv(65536):
+        data += chunk
+    late.close()
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"slept 0"), data
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["rolling", "stop-then-start"])
+def test_replacing_a_worker_under_load_loses_no_request(sup: FakeSupervisor, overlap: bool) -> None:
+    """Invariant 2: clients hammering the listener see no error while the worker is replaced.
+
+    ``rolling``: the new worker is ready before the old one drains (the reload
+    path).  ``stop-then-start``: nobody serves for a while; connections wait in
+    the listener's backlog until the replacement starts.
+    """
+    proc1, ident1 = sup.start_ready()
+    stop = threading.Event()
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                data, _ = raw_exchange(sup.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+                                       b"Connection: close\r\n\r\n", timeout=10)
+                ok = data.startswith(b"HTTP/1.1 200") and data.endswith(b"ok")
+                res = "ok" if ok else f"bad {data[:40]!r}"
+            except OSError as e:
+                res = f"error {e!r}"
+            with lock:
+                outcomes.append(res)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.3)
+        if overlap:
+            proc2, _ = sup.start_ready(generation=2)
+            sup.send(ident1, Drain(id="d1", deadline=5))
+            sup.expect(Goodbye, pid=proc1.pid)
+        else:
+            sup.send(ident1, Stop(id="s1", deadline=5))
+            sup.expect(Goodbye, pid=proc1.pid)
+            assert proc1.wait(10) == 0
+            time.sleep(0.3)  # nobody accepts: clients pile up in the backlog
+            proc2, _ = sup.start_ready(generation=2)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+    assert proc1.wait(10) == 0
+    bad = [o for o in outcomes if o != "ok"]
+    assert len(outcomes) > 20 and not bad, (len(outcomes), bad[:5])
 
 
 def test_drain_closes_keepalive_connections(sup: FakeSupervisor) -> None:
@@ -345,11 +407,28 @@ def test_malformed_and_oversized_requests_are_answered_and_closed(sup: FakeSuper
     proc, _ = sup.start_ready(http=http, max_header_bytes=8192, max_body_bytes=1000)
     data, closed = raw_exchange(sup.port, b"\x16\x03\x01garbage\r\n\r\n")
     assert data.startswith(b"HTTP/1.1 400") and closed
-    data, closed = raw_exchange(sup.port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000
-                                + b"\r\n\r\n")
-    # httptools (auto): our 431; h11: uvicorn answers 400
-    assert data.startswith(b"HTTP/1.1 431" if http == "auto" else b"HTTP/1.1 400"), data[:80]
-    assert closed
+    # a 100 kB header block in one write (usually one read on the server)
+    data, closed = raw_exchange(sup.port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+    if http == "auto":  # our httptools guard counts complete headers too
+        assert data.startswith(b"HTTP/1.1 431") and closed, data[:80]
+    else:  # h11 only limits *incomplete* events: one read may carry more; it answers either way
+        assert data.startswith(b"HTTP/1.1 "), data[:80]
+    # the same trickling in: both protocols refuse once the limit is passed
+    with socket.create_connection(("127.0.0.1", sup.port), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        reply = b""
+        try:
+            for _ in range(40):
+                s.sendall(b"a" * 1000)
+                time.sleep(0.01)
+            reply = s.recv(65536)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        if not reply:
+            with contextlib.suppress(OSError):
+                reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 431" if http == "auto" else b"HTTP/1.1 400"), reply[:80]
     data, closed = raw_exchange(sup.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                 b"Content-Length: 5000\r\n\r\n")
     assert data.startswith(b"HTTP/1.1 413") and closed

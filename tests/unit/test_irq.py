@@ -233,6 +233,8 @@ def test_apply_restore_roundtrip(vm_root: Path, tmp_path: Path) -> None:
                                                    39: "unchanged"}
     r = restore(str(vm_root), str(state))
     assert r.exit_code == 0 and r.state_removed
+    assert [(x.irq, x.nic, x.name, x.status) for x in r.irqs][:2] == [
+        (32, "eth0", "virtio3-input.0", "ok"), (33, "eth0", "virtio3-output.0", "ok")]
     assert not state.exists()
     assert snapshot(vm_root) == before
 
@@ -281,10 +283,10 @@ def test_write_errors_reported_per_irq(smt_root: Path, tmp_path: Path) -> None:
     assert len(res.irqs) == 6  # never stopped at the first error
     assert res.exit_code == 1
     assert {r.irq for r in res.failed} == {52, 53, 54, 55}
-    # nothing changed for managed/failed-before-write IRQs: their originals are not kept
-    saved = json.loads(state.read_text())["irqs"]
-    assert "50" not in saved and "51" not in saved
-    assert aff(smt_root, 50) == "0-7"
+    # the kernel rejected every write: nothing changed, so no original is kept
+    assert json.loads(state.read_text())["irqs"] == {}
+    assert all(aff(smt_root, i) == "0-7" for i in range(50, 56))
+    assert restore(str(smt_root), str(state)).state_removed
 
 
 def test_enospc_retries_another_cpu(smt_root: Path, tmp_path: Path) -> None:

@@ -178,3 +178,27 @@ def test_end_to_end_declared_nic_node_and_apply(env, capsys) -> None:
                              str(state), "--json"], capsys)
     assert code == 0
     assert {p: p.read_text() for p in (root / "proc/irq").rglob("smp_affinity_list")} == snap
+
+
+def test_reserved_policy_uses_placement(env, monkeypatch, capsys) -> None:
+    """policy "reserved": IRQs only on the CPUs placement.reserved_irq_cpus keeps for them."""
+    placement = pytest.importorskip("numaserve.placement")
+    if not hasattr(placement, "reserved_irq_cpus"):
+        pytest.skip("numaserve.placement.reserved_irq_cpus not written yet")
+    tmp, _ = env
+    root = _copy("smt2n", tmp)
+    cfg = tmp / "reserved.toml"
+    cfg.write_text("[placement]\nreserve_irq_cpus = 1\n")
+    _use(monkeypatch, topos.smt2n, root)
+    code, out, _ = run_main(["irq", "plan", "--root", str(root), "--config", str(cfg), "--policy", "reserved",
+                             "--iface", "eth0", "--json"], capsys)
+    assert code == 0
+    reserved = set(placement.reserved_irq_cpus(topos.smt2n(root), 1, 1))
+    assert reserved and reserved < {2, 3, 6, 7}
+    targets = {int(e["target"]) for e in json.loads(out)["entries"]}
+    assert targets == reserved
+    # reserve_irq_cpus = 0 with policy reserved: nothing steered, the reason says how to fix it
+    code, out, _ = run_main(["irq", "plan", "--root", str(root), "--config", str(env[1]), "--policy", "reserved",
+                             "--iface", "eth0", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["entries"] == [] and "reserve_irq_cpus" in data["skipped"][0]["reason"]

@@ -10,6 +10,8 @@ written as plain files and relative symlinks, like the kernel's.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 from typing import Callable, Iterable
@@ -44,8 +46,11 @@ def hwloc_root(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
             pytest.skip(f"hwloc fixture {tarball} not present")
         if name not in cache:
             dest = tmp_path_factory.mktemp("hwloc")
-            with tarfile.open(tarball, "r:bz2") as tf:
-                tf.extractall(dest, filter="data")
+            if shutil.which("tar"):  # several times faster than tarfile on the 7000-file dumps
+                subprocess.run(["tar", "xjf", str(tarball), "-C", str(dest), "--no-same-owner"], check=True)
+            else:
+                with tarfile.open(tarball, "r:bz2") as tf:
+                    tf.extractall(dest, filter="data")
             roots = [p.parent for p in dest.glob("*/sys") if p.is_dir()] + [p.parent for p in dest.glob("sys")]
             assert len(roots) == 1, f"{tarball}: expected one folder with sys/, found {roots}"
             cache[name] = roots[0]
