@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping
 import msgspec
 
 from numaserve.errors import ConfigError
+from numaserve.irq import IrqSettings
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
@@ -95,10 +96,24 @@ class LogConfig(_Section):
     format: Literal["auto", "json", "console"] = "auto"
 
 
+class OpsConfig(_Section):
+    """Who may operate the supervisor, and how operations are recorded."""
+
+    readonly_group: str = ""
+    audit_log: str = ""
+    tcp_endpoint: str = ""
+    curve_secret_key: str = ""
+    curve_authorized_keys: str = ""
+    reload_parallel: int = 1
+    drain_timeout: float = 30.0
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
+    irq: IrqSettings = msgspec.field(default_factory=IrqSettings)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +130,7 @@ def _field_types(section: str) -> dict[str, Any]:
 # --- value checks msgspec types cannot express --------------------------------
 
 _POSITIVE = {
+    ("ops", "reload_parallel"), ("ops", "drain_timeout"),
     ("server", "backlog"), ("server", "max_header_bytes"), ("server", "max_body_bytes"),
     ("supervisor", "heartbeat_interval"), ("supervisor", "heartbeat_timeout"),
     ("supervisor", "ready_timeout"), ("supervisor", "backoff_initial"),
@@ -186,6 +202,13 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     if cfg.supervisor.heartbeat_timeout <= cfg.supervisor.heartbeat_interval:
         raise bad("supervisor", "heartbeat_timeout", cfg.supervisor.heartbeat_timeout,
                   f"more than supervisor.heartbeat_interval ({cfg.supervisor.heartbeat_interval})")
+    ops = cfg.ops
+    if ops.tcp_endpoint:
+        if not ops.tcp_endpoint.startswith("tcp://"):
+            raise bad("ops", "tcp_endpoint", ops.tcp_endpoint, "tcp://HOST:PORT")
+        if not ops.curve_secret_key or not ops.curve_authorized_keys:
+            raise bad("ops", "tcp_endpoint", ops.tcp_endpoint,
+                      "ops.curve_secret_key and ops.curve_authorized_keys set too (remote control is CURVE-only)")
     from numaserve.nodespec import parse_node_spec  # local: avoids an import cycle
 
     try:

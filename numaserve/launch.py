@@ -95,7 +95,7 @@ def _signals() -> ModuleType:
 
 
 def parse_signal(name: str) -> int:
-    """"SIGKILL", "KILL", "term" or "9" → signal number; "0"/"none" → 0 (disabled)."""
+    """Signal name or number ("SIGKILL", "KILL", "term", "9") → number; "0"/"none" → 0 (off)."""
     s = name.strip()
     if s.lower() in ("", "0", "none"):
         return 0
@@ -110,8 +110,13 @@ def parse_signal(name: str) -> int:
     return num
 
 
-def bind(cpus: Iterable[int] | None, mempolicy: str, nodes: Iterable[int] = (), *, static: bool = True) -> None:
-    """CPU affinity, then memory policy, of the calling thread; LaunchError on failure."""
+def bind(
+    cpus: Iterable[int] | None, mempolicy: str | None, nodes: Iterable[int] = (), *, static: bool = True
+) -> None:
+    """CPU affinity, then memory policy, of the calling thread; LaunchError on failure.
+
+    ``None`` leaves that part as inherited.
+    """
     numa = _numa()
     node_list = list(nodes)
     if cpus is not None:
@@ -119,6 +124,8 @@ def bind(cpus: Iterable[int] | None, mempolicy: str, nodes: Iterable[int] = (), 
             numa.set_cpu_affinity(cpus)
         except (OSError, ValueError) as e:
             raise LaunchError(*_split(e, "cpu affinity")) from None
+    if mempolicy is None:
+        return
     try:
         numa.set_mempolicy(mempolicy, node_list if mempolicy not in ("local", "default") else (), static=static)
     except (OSError, ValueError) as e:
@@ -219,7 +226,7 @@ def build_launch_argv(
 
 class _Opts:
     cpus: tuple[int, ...] | None = None
-    mempolicy = "default"
+    mempolicy: str | None = None  # None: keep the inherited policy
     nodes: tuple[int, ...] = ()
     static = True
     pdeathsig = 0

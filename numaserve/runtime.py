@@ -22,6 +22,8 @@ from numaserve.errors import NumaserveError, UsageError
 
 CONTROL_SOCKET = "control.sock"
 OPS_SOCKET = "ops.sock"
+OPS_RO_SOCKET = "ops-ro.sock"
+AUDIT_LOG = "audit.log"
 EVENTS_SOCKET = "events.sock"
 LOCK_FILE = "supervisor.lock"
 PID_FILE = "supervisor.pid"
@@ -67,7 +69,8 @@ def ensure_private_dir(path: Path) -> None:
             f"runtime directory {path}: owned by uid {st.st_uid}, not us ({os.geteuid()}); refusing to use it"
         )
     if stat.S_IMODE(st.st_mode) & 0o077:
-        # ours, but too open (e.g. created by hand): tighten before any socket exists
+        # ours, but too open (e.g. created by hand, or 0710 from a previous run
+        # with a read-only group): tighten before any socket exists
         os.chmod(path, 0o700)
 
 
@@ -103,7 +106,7 @@ class RuntimeDir:
                 ) from None
             raise
         self.lock_fd = fd
-        for name in (CONTROL_SOCKET, OPS_SOCKET, EVENTS_SOCKET, PID_FILE):
+        for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
         with tight_umask():
@@ -111,8 +114,29 @@ class RuntimeDir:
             tmp.write_text(f"{os.getpid()}\n")
             tmp.replace(self.path / PID_FILE)
 
+    def share_with_group(self, group: str) -> int:
+        """Let ``group`` traverse the directory (0710) to reach ops-ro.sock.
+
+        Nothing else in the directory is group-accessible: every other file
+        and socket is created 0600/0700 under the tight umask.
+        """
+        import grp
+
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise UsageError(f"ops.readonly_group = {group!r}: no such group") from None
+        os.chown(self.path, -1, gid)
+        os.chmod(self.path, 0o710)
+        return gid
+
+    def open_to_group(self, name: str, gid: int) -> None:
+        p = self.path / name
+        os.chown(p, -1, gid)
+        os.chmod(p, 0o660)
+
     def release(self) -> None:
-        for name in (CONTROL_SOCKET, OPS_SOCKET, EVENTS_SOCKET, PID_FILE):
+        for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
         if self.lock_fd is not None:

@@ -211,8 +211,10 @@ class _Disconnected(Exception):
     pass
 
 
-async def _read_body(receive: Receive, limit: int = MAX_REQUEST_BYTES) -> bytes | None:
+async def _read_body(receive: Receive, limit: int | None = None) -> bytes | None:
     """The whole request body, or None if it exceeds ``limit``; raises if the client left."""
+    if limit is None:
+        limit = MAX_REQUEST_BYTES
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -25,6 +25,8 @@ COMMANDS: dict[str, str] = {
     "start": "numaserve.cli.start_cmd:start",
     "status": "numaserve.cli.ops_cmd:status",
     "stop": "numaserve.cli.ops_cmd:stop",
+    "irq": "numaserve.cli.irq_cmd:irq",
+    "doctor": "numaserve.cli.doctor_cmd:doctor",
 }
 
 

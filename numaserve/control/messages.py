@@ -143,6 +143,7 @@ class OpsRequest(msgspec.Struct, kw_only=True):
     verb: str
     args: dict[str, Any] = {}
     id: str = ""
+    who: dict[str, Any] = {}   # self-reported by the client (uid, user, pid, host); audited
 
 
 class OpsReply(msgspec.Struct, kw_only=True):

@@ -57,7 +57,7 @@ class LeakSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ci_lower_bytes_per_1000: int = 5 * MiB     # 95 % CI lower bound of the slope
     p_value: float = 0.01                      # Kendall tau > 0 with p below this
     flattening_ratio: float = 0.5              # 2nd-half slope ≥ ratio × 1st-half slope
-    quarter_fraction: float = 0.25             # a quarter "grows" at ≥ fraction × threshold
+    quarter_fraction: float = 0.25             # a quarter "grows" at ≥ fraction × max(threshold, slope)
     quarters_required: int = 3                 # ... in at least this many of the 4 quarters
     # Time-axis twin (timer/background leaks): bytes/s over 20 min vs "soft cap within 6 h".
     time_axis: bool = True
@@ -519,7 +519,8 @@ class LeakDetector:
                 failed.append("flattening")
             bounds = [round(i * n / 4) for i in range(5)]
             quarters = [theil_sen_slope(xs[a:b], ys[a:b]) * scale for a, b in zip(bounds, bounds[1:])]
-            if sum(q >= s.quarter_fraction * threshold for q in quarters) < s.quarters_required:
+            floor = s.quarter_fraction * max(threshold, slope)
+            if sum(q >= floor for q in quarters) < s.quarters_required:
                 failed.append("spread")
         level_end = fit.intercept + fit.slope * xs[-1]
         return Trend(

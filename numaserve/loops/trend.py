@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from itertools import repeat
+from operator import sub, truediv
 from statistics import NormalDist
 from typing import NamedTuple, Sequence
 
@@ -79,8 +81,8 @@ def _pairwise_slopes(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[flo
     if increasing:
         # x strictly increasing: sign(dy) == sign(slope), so Kendall comes from the slopes.
         for i in range(n - 1):
-            xi, yi = xs[i], ys[i]
-            slopes.extend([(y - yi) / (x - xi) for x, y in zip(xs[i + 1 :], ys[i + 1 :])])
+            tail = i + 1
+            slopes.extend(map(truediv, map(sub, ys[tail:], repeat(ys[i])), map(sub, xs[tail:], repeat(xs[i]))))
         slopes.sort()
         neg = bisect.bisect_left(slopes, 0.0)
         pos = len(slopes) - bisect.bisect_right(slopes, 0.0)

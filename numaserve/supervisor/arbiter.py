@@ -31,8 +31,17 @@ from numaserve.control import messages as m
 from numaserve.errors import NumaserveError
 from numaserve.listeners import ListenerSet, accept_queue_depth, open_listeners
 from numaserve.placement import Plan
-from numaserve.runtime import CONTROL_SOCKET, EVENTS_SOCKET, OPS_SOCKET, RuntimeDir, tight_umask
+from numaserve.runtime import (
+    AUDIT_LOG,
+    CONTROL_SOCKET,
+    EVENTS_SOCKET,
+    OPS_RO_SOCKET,
+    OPS_SOCKET,
+    RuntimeDir,
+    tight_umask,
+)
 from numaserve.supervisor import slots as S
+from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.spawn import spawn
@@ -94,6 +103,12 @@ class Supervisor:
         self.ctx: zmq.asyncio.Context | None = None
         self.ctl: zmq.asyncio.Socket | None = None
         self.ops: zmq.asyncio.Socket | None = None
+        self.ops_ro: zmq.asyncio.Socket | None = None
+        self.ops_tcp: zmq.asyncio.Socket | None = None
+        self.authenticator: Any = None
+        self.audit = AuditLog(
+            __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
+        )
         self.pub: zmq.asyncio.Socket | None = None
         self.started = time.monotonic()
         self.state = "starting"
@@ -119,10 +134,16 @@ class Supervisor:
             self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
         )
         self.ctx = zmq.asyncio.Context()
+        gid = self.runtime.share_with_group(self.cfg.ops.readonly_group) if self.cfg.ops.readonly_group else None
         with tight_umask():
             self.ctl = self._bind(zmq.ROUTER, CONTROL_SOCKET)
             self.ops = self._bind(zmq.ROUTER, OPS_SOCKET)
+            self.ops_ro = self._bind(zmq.ROUTER, OPS_RO_SOCKET)
             self.pub = self._bind(zmq.PUB, EVENTS_SOCKET)
+        if gid is not None:
+            self.runtime.open_to_group(OPS_RO_SOCKET, gid)
+        if self.cfg.ops.tcp_endpoint:
+            self.ops_tcp = self._bind_curve_tcp()
         log.info(
             "listening",
             addresses=self.listeners.addresses(),
@@ -141,6 +162,38 @@ class Supervisor:
         sock.bind(self.runtime.endpoint(name))
         return sock
 
+    def _bind_curve_tcp(self) -> zmq.asyncio.Socket:
+        """Remote ops over TCP: CURVE encryption + client keys authorized by file."""
+        import zmq.auth
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        assert self.ctx is not None
+        o = self.cfg.ops
+        try:
+            public, secret = zmq.auth.load_certificate(o.curve_secret_key)
+        except (OSError, ValueError) as e:
+            raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: cannot load: {e}") from None
+        if secret is None:
+            raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: holds no secret key")
+        if not os.path.isdir(o.curve_authorized_keys):
+            raise NumaserveError(f"ops.curve_authorized_keys {o.curve_authorized_keys}: not a directory")
+        self.authenticator = AsyncioAuthenticator(self.ctx)
+        self.authenticator.start()
+        self.authenticator.configure_curve(domain="*", location=o.curve_authorized_keys)
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        try:
+            sock.bind(o.tcp_endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise NumaserveError(f"ops.tcp_endpoint {o.tcp_endpoint}: cannot bind: {e}") from None
+        log.info("ops_tcp_listening", endpoint=o.tcp_endpoint, auth="curve")
+        return sock
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,8 +201,11 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGCHLD, self.wake.set)
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="control"),
-            asyncio.create_task(self._ops_loop(), name="ops"),
+            asyncio.create_task(self._ops_loop(self.ops, "ipc"), name="ops"),
+            asyncio.create_task(self._ops_loop(self.ops_ro, "ipc-readonly", readonly=True), name="ops-ro"),
         ]
+        if self.ops_tcp is not None:
+            self._tasks.append(asyncio.create_task(self._ops_loop(self.ops_tcp, "tcp-curve"), name="ops-tcp"))
         now = time.monotonic()
         for slot in self.slots.values():
             self._start_worker(slot, now)
@@ -195,9 +251,11 @@ class Supervisor:
                 except Exception:
                     pass
         self.listeners.close()
-        for sock in (self.ctl, self.ops, self.pub):
+        for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
             if sock is not None:
                 sock.close(0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
@@ -607,23 +665,30 @@ class Supervisor:
 
     # -------------------------------------------------------------------- ops
 
-    async def _ops_loop(self) -> None:
+    async def _ops_loop(self, sock: zmq.asyncio.Socket | None, channel: str, *, readonly: bool = False) -> None:
+        """Serve one ops socket; bad requests get an error reply, never an exception."""
         from numaserve.supervisor.ops import handle_ops_request
 
-        assert self.ops is not None
+        assert sock is not None
         while True:
             try:
-                frames = await self.ops.recv_multipart()
+                frames = await sock.recv_multipart(copy=False)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
-                log.warning("ops_recv_error", error=str(e))
+                log.warning("ops_recv_error", channel=channel, error=str(e))
                 await asyncio.sleep(0.05)
                 continue
-            identity = frames[0]
+            identity = frames[0].bytes
+            peer_key = None
+            if channel == "tcp-curve":
+                try:
+                    peer_key = frames[-1].get("User-Id")
+                except (zmq.ZMQError, KeyError):
+                    peer_key = None
+            payload = frames[-1].bytes
             # REQ clients send [identity, b"", payload]; DEALER clients [identity, payload]
-            envelope = [identity, b""] if len(frames) == 3 and frames[1] == b"" else [identity]
-            payload = frames[-1]
+            envelope = [identity, b""] if len(frames) == 3 and frames[1].bytes == b"" else [identity]
             if len(frames) not in (2, 3) or len(payload) > MAX_OPS_BYTES:
                 self._bad("ops", f"{len(frames)} frames / {len(payload)} bytes")
                 reply = m.OpsReply(ok=False, error="malformed request")
@@ -634,13 +699,12 @@ class Supervisor:
                     self._bad("ops", str(e))
                     reply = m.OpsReply(ok=False, error=f"malformed request: {e}")
                 else:
-                    try:
-                        reply = await handle_ops_request(self, req)
-                    except Exception as e:
-                        log.exception("ops_handler_error", verb=req.verb)
-                        reply = m.OpsReply(ok=False, id=req.id, error=f"internal error: {type(e).__name__}: {e}")
+                    who = dict(req.who) if isinstance(req.who, dict) else {}
+                    if peer_key:
+                        who["curve_key"] = peer_key
+                    reply = await handle_ops_request(self, req, channel=channel, readonly=readonly, who=who)
             try:
-                await self.ops.send_multipart(envelope + [m.msgspec.msgpack.encode(reply)], flags=zmq.NOBLOCK)
+                await sock.send_multipart(envelope + [m.msgspec.msgpack.encode(reply)], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self.wake.set()

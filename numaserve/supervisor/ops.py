@@ -1,7 +1,9 @@
 """Ops requests from the CLI: verb → handler.
 
-Read-only verbs never change state; mutating verbs are logged (and audited
-by the ops-security work). Unknown verbs get an error reply, never an
+Read-only verbs (status, ...) are served on every ops socket, including the
+read-only one; mutating verbs only on the owner's socket (and CURVE TCP), and
+every mutating request is written to the audit log with who asked, what, and
+how it ended.  Unknown verbs and bad arguments get an error reply, never an
 exception in the supervisor.
 """
 
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import structlog
 
 from numaserve.control.messages import OpsReply, OpsRequest
+from numaserve.errors import NumaserveError
 
 if TYPE_CHECKING:
     from numaserve.supervisor.arbiter import Supervisor
@@ -23,12 +26,36 @@ READ_ONLY: dict[str, Handler] = {}
 MUTATING: dict[str, Handler] = {}
 
 
+class OpsArgError(NumaserveError):
+    """Bad arguments in an ops request (reported to the client, not raised)."""
+
+
 def verb(name: str, *, mutating: bool) -> Callable[[Handler], Handler]:
     def deco(fn: Handler) -> Handler:
         (MUTATING if mutating else READ_ONLY)[name] = fn
         return fn
 
     return deco
+
+
+def arg_int(args: dict[str, Any], name: str, *, required: bool = False, minimum: int = 0) -> int | None:
+    v = args.get(name)
+    if v is None:
+        if required:
+            raise OpsArgError(f"missing argument {name!r}")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise OpsArgError(f"argument {name!r} = {v!r}: expected an integer >= {minimum}")
+    return v
+
+
+def arg_float(args: dict[str, Any], name: str, default: float) -> float:
+    v = args.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise OpsArgError(f"argument {name!r} = {v!r}: expected a number >= 0")
+    return float(v)
 
 
 @verb("ping", mutating=False)
@@ -48,14 +75,45 @@ async def _stop(sup: "Supervisor", args: dict[str, Any]) -> Any:
     return {"stopping": True, "fast": fast}
 
 
-async def handle_ops_request(sup: "Supervisor", req: OpsRequest) -> OpsReply:
+def _summary(result: Any) -> str:
+    if isinstance(result, dict):
+        for key in ("state", "result", "message"):
+            if key in result:
+                return str(result[key])
+    return "ok"
+
+
+async def handle_ops_request(
+    sup: "Supervisor", req: OpsRequest, *, channel: str = "ipc", readonly: bool = False,
+    who: dict[str, Any] | None = None,
+) -> OpsReply:
+    who = who if who is not None else {}
+    if not isinstance(req.verb, str) or not req.verb:
+        return OpsReply(ok=False, id=req.id, error="missing verb")
     handler = READ_ONLY.get(req.verb) or MUTATING.get(req.verb)
     if handler is None:
         known = ", ".join(sorted(READ_ONLY | MUTATING))
         return OpsReply(ok=False, id=req.id, error=f"unknown verb {req.verb!r}: expected one of {known}")
     if not isinstance(req.args, dict):
         return OpsReply(ok=False, id=req.id, error="args must be a map")
-    if req.verb in MUTATING:
-        log.info("ops_command", verb=req.verb, args=req.args, id=req.id)
-    result = await handler(sup, req.args)
-    return OpsReply(ok=True, id=req.id, result=result)
+    mutating = req.verb in MUTATING
+    if mutating and readonly:
+        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=False,
+                         result="refused: read-only socket")
+        return OpsReply(ok=False, id=req.id,
+                        error=f"{req.verb!r} changes the service: not allowed on the read-only socket")
+    try:
+        result = await handler(sup, req.args)
+    except OpsArgError as e:
+        reply = OpsReply(ok=False, id=req.id, error=str(e))
+    except NumaserveError as e:
+        reply = OpsReply(ok=False, id=req.id, error=str(e))
+    except Exception as e:  # a bug in a handler must not take the supervisor down
+        log.exception("ops_handler_error", verb=req.verb)
+        reply = OpsReply(ok=False, id=req.id, error=f"internal error: {type(e).__name__}: {e}")
+    else:
+        reply = OpsReply(ok=True, id=req.id, result=result)
+    if mutating:
+        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=reply.ok,
+                         result=reply.error if not reply.ok else _summary(reply.result))
+    return reply

@@ -45,9 +45,9 @@ def _intersect(base: tuple[int, ...], *bounds: tuple[int, ...] | None) -> tuple[
 
 def _check_root(fs: Root, root: str) -> None:
     if not os.path.isdir(fs.base):
-        raise UsageError(f"--root {root}: no such directory")
+        raise UsageError(f"sysfs root {root}: no such directory")
     if not fs.is_dir("sys/devices/system"):
-        raise UsageError(f"--root {root}: no sys/devices/system under it (not a sysfs/procfs root or dump)")
+        raise UsageError(f"sysfs root {root}: no sys/devices/system under it (not a sysfs/procfs root or dump)")
 
 
 def discover(

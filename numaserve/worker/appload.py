@@ -30,11 +30,13 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def _is_asgi3(app: Any) -> bool:
-    """Same test uvicorn uses: an async callable (or a class with ``__await__``)."""
+    """uvicorn's test (an async callable, or a class with ``__await__``), plus bound methods."""
     if inspect.isclass(app):
         return hasattr(app, "__await__")
-    if inspect.isfunction(app):
-        return inspect.iscoroutinefunction(app)
+    if inspect.iscoroutinefunction(app):
+        return True
+    if inspect.isfunction(app) or inspect.ismethod(app):
+        return False
     return inspect.iscoroutinefunction(getattr(app, "__call__", None))
 
 

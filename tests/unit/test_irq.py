@@ -425,3 +425,30 @@ def test_fileio_uses_unbuffered_write(tmp_path: Path) -> None:
     with pytest.raises(OSError) as ei:
         FileIO().write(str(tmp_path / "nope"), "1\n")
     assert ei.value.errno == errno.ENOENT
+
+
+# --- properties -------------------------------------------------------------------------
+
+from hypothesis import given, settings as hsettings, strategies as st  # noqa: E402
+
+
+@st.composite
+def smt_layout(draw):
+    ncores = draw(st.integers(1, 12))
+    threads = draw(st.integers(1, 4))
+    ids = draw(st.permutations(range(ncores * threads)))
+    cores = [tuple(sorted(ids[c * threads:(c + 1) * threads])) for c in range(ncores)]
+    sib = {cpu: core for core in cores for cpu in core}
+    subset = draw(st.sets(st.sampled_from(sorted(sib)), min_size=1))
+    return sib, sorted(subset)
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(smt_layout())
+def test_order_cores_first_properties(layout) -> None:
+    sib, cpus = layout
+    out = order_cores_first(cpus, sib)
+    assert sorted(out) == sorted(cpus)
+    ncores = len({sib[c] for c in cpus})
+    first = out[:ncores]
+    assert len({sib[c] for c in first}) == ncores  # every core once before any sibling

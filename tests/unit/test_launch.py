@@ -153,6 +153,14 @@ def test_preferred_interleave_local_and_no_static() -> None:
         assert {v[1] for v in json.loads(r.stdout).values()} == {token}, args
 
 
+@needs_cpu1
+def test_without_mempolicy_the_inherited_policy_is_kept() -> None:
+    inner = [PY, "-I", "-S", L, "--cpus", "1", "--", PY, "-c", REPORT]
+    r = run([PY, "-I", "-S", L, "--mempolicy", "bind", "--nodes", "0", "--no-static", "--", *inner])
+    assert r.returncode == 0, r.stderr
+    assert set(map(tuple, json.loads(r.stdout).values())) == {("1", "bind:0")}
+
+
 # ------------------------------------------------------------- failures
 
 

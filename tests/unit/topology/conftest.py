@@ -59,6 +59,18 @@ def hwloc_root(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     return get
 
 
+@pytest.fixture(scope="session")
+def static_tree() -> Callable[[str], Path]:
+    """name → path of a hand-made tree under tests/fixtures/sysfs (read-only: copy before writing)."""
+
+    def get(name: str) -> Path:
+        p = STATIC_TREES / name
+        assert (p / "sys").is_dir(), f"{p}: not a fake root"
+        return p
+
+    return get
+
+
 @pytest.fixture
 def hwloc_truth_path() -> Callable[[str], Path]:
     def get(name: str) -> Path:

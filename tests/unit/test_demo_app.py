@@ -1,0 +1,229 @@
+"""The embedded demo app, called directly through ASGI (no server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from numaserve.apps import demo
+from numaserve.apps.demo import MAX_TOKENS_LIMIT, MODEL_ID, app
+
+
+def call(method: str, path: str, body: bytes = b"", chunks: list[bytes] | None = None
+         ) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Run one request through the app; returns (status, headers, body)."""
+    parts = chunks if chunks is not None else [body]
+    incoming: list[dict[str, Any]] = [
+        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    start = sent[0]
+    assert start["type"] == "http.response.start"
+    out = b"".join(m.get("body", b"") for m in sent[1:])
+    headers = dict(start["headers"])
+    if b"content-length" in headers:
+        assert int(headers[b"content-length"]) == len(out)
+    return start["status"], headers, out
+
+
+def post_json(obj: Any) -> tuple[int, dict[str, Any]]:
+    status, _, body = call("POST", "/v1/completions", json.dumps(obj).encode())
+    return status, json.loads(body)
+
+
+def test_healthz() -> None:
+    status, headers, body = call("GET", "/healthz")
+    assert (status, body) == (200, b"ok")
+
+
+def test_models_list_shape() -> None:
+    status, headers, body = call("GET", "/v1/models")
+    data = json.loads(body)
+    assert status == 200 and headers[b"content-type"] == b"application/json"
+    assert data["object"] == "list"
+    assert data["data"][0]["id"] == MODEL_ID and data["data"][0]["object"] == "model"
+
+
+def test_whoami_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NUMASERVE_SLOT", "3")
+    monkeypatch.setenv("NUMASERVE_NODE", "1")
+    monkeypatch.setenv("NUMASERVE_GENERATION", "7")
+    monkeypatch.setenv("NUMASERVE_CPUS", "4-6,9")
+    monkeypatch.setenv("NUMASERVE_MEMPOLICY", "bind=static:1")
+    status, _, body = call("GET", "/")
+    data = json.loads(body)
+    assert status == 200
+    assert data["slot"] == 3 and data["node"] == 1 and data["generation"] == 7
+    assert data["cpus"] == [4, 5, 6, 9] and data["mempolicy"] == "bind=static:1"
+    assert data["pid"] > 0 and data["hostname"]
+
+
+def test_whoami_falls_back_to_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in ("NUMASERVE_SLOT", "NUMASERVE_NODE", "NUMASERVE_GENERATION", "NUMASERVE_CPUS",
+                 "NUMASERVE_MEMPOLICY"):
+        monkeypatch.delenv(name, raising=False)
+    data = json.loads(call("GET", "/")[2])
+    assert data["cpus"] == sorted(os.sched_getaffinity(0))
+    assert data["slot"] is None and data["mempolicy"] is None
+
+
+def test_completion_shape_and_usage() -> None:
+    status, data = post_json({"model": "m1", "prompt": "the quick brown fox", "max_tokens": 5,
+                              "temperature": 0.7})
+    assert status == 200
+    assert data["object"] == "text_completion" and data["model"] == "m1"
+    assert data["id"].startswith("cmpl-") and isinstance(data["created"], int)
+    (choice,) = data["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert len(choice["text"].split()) == 5 and choice["text"].startswith(" ")
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+
+
+def test_completion_is_deterministic_per_prompt() -> None:
+    a = post_json({"prompt": "alpha", "max_tokens": 12})[1]["choices"][0]["text"]
+    b = post_json({"prompt": "alpha", "max_tokens": 12})[1]["choices"][0]["text"]
+    c = post_json({"prompt": "beta", "max_tokens": 12})[1]["choices"][0]["text"]
+    assert a == b and a != c
+    # a longer completion extends the shorter one
+    longer = post_json({"prompt": "alpha", "max_tokens": 20})[1]["choices"][0]["text"]
+    assert longer.startswith(a)
+
+
+def test_default_max_tokens_and_model() -> None:
+    status, data = post_json({"prompt": "x"})
+    assert status == 200 and data["usage"]["completion_tokens"] == 16 and data["model"] == MODEL_ID
+
+
+def test_list_prompt_gives_one_choice_each() -> None:
+    status, data = post_json({"prompt": ["a b", "c"], "max_tokens": 3})
+    assert status == 200
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
+def test_chunked_body_is_assembled() -> None:
+    raw = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    status, _, body = call("POST", "/v1/completions", chunks=[raw[:5], raw[5:], b""])
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1, MAX_TOKENS_LIMIT + 1, "8", 1.5, True, None])
+def test_max_tokens_out_of_range_is_400(max_tokens: Any) -> None:
+    status, data = post_json({"prompt": "x", "max_tokens": max_tokens})
+    assert status == 400
+    assert data["error"]["type"] == "invalid_request_error" and data["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("body", [{"prompt": 5}, {"prompt": []}, {"prompt": ["a", 1]},
+                                  {"prompt": ["x"] * 17}, [1, 2], {"model": ""},
+                                  {"prompt": "x", "stream": True}])
+def test_bad_parameters_are_400(body: Any) -> None:
+    status, data = post_json(body)
+    assert status == 400 and set(data["error"]) == {"message", "type", "param", "code"}
+
+
+def test_bad_json_is_400_openai_shape() -> None:
+    status, headers, body = call("POST", "/v1/completions", b"{not json")
+    data = json.loads(body)
+    assert status == 400 and headers[b"content-type"] == b"application/json"
+    assert data["error"]["type"] == "invalid_request_error" and "JSON" in data["error"]["message"]
+    status, _, _ = call("POST", "/v1/completions", b"\xff\xfe")
+    assert status == 400
+
+
+def test_wrong_method_is_405_with_allow() -> None:
+    status, headers, body = call("GET", "/v1/completions")
+    assert status == 405 and headers[b"allow"] == b"POST" and "error" in json.loads(body)
+    status, headers, _ = call("DELETE", "/healthz")
+    assert status == 405 and headers[b"allow"] == b"GET, HEAD"
+
+
+def test_unknown_path_is_404_json() -> None:
+    status, headers, body = call("GET", "/v2/whatever")
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+
+
+def test_oversized_body_is_413(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "MAX_REQUEST_BYTES", 10)
+    status, _, body = call("POST", "/v1/completions", chunks=[b"x" * 8, b"x" * 8])
+    assert status == 413 and "error" in json.loads(body)
+
+
+def test_client_gone_mid_body_sends_nothing() -> None:
+    sent: list[Any] = []
+    msgs = [{"type": "http.request", "body": b"{", "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return msgs.pop(0)
+
+    async def send(m: Any) -> None:
+        sent.append(m)
+
+    asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
+                    receive, send))
+    assert sent == []
+
+
+def test_cost_is_proportional_to_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = demo._mix
+
+    def counting(state: int, rounds: int) -> int:
+        calls.append(rounds)
+        return real(state, rounds)
+
+    monkeypatch.setattr(demo, "_mix", counting)
+    post_json({"prompt": ["a", "b"], "max_tokens": 40})
+    assert calls == [demo.ROUNDS_PER_TOKEN] * 80
+    assert demo.measure_token_cost(tokens=5) > 0
+
+
+def test_generation_yields_to_the_loop() -> None:
+    ticks = 0
+
+    async def main() -> None:
+        nonlocal ticks
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        await demo.generate("p", 64, rounds=10)
+        t.cancel()
+
+    asyncio.run(main())
+    assert ticks >= 64 // demo.YIELD_EVERY
+
+
+def test_lifespan_startup_and_shutdown() -> None:
+    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0)
+
+    async def send(m: Any) -> None:
+        sent.append(m)
+
+    asyncio.run(app({"type": "lifespan"}, receive, send))
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

@@ -1,0 +1,137 @@
+"""Control messages on the worker side: dispatcher (fake channel) and the real DEALER."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import zmq
+
+from numaserve.control.messages import (
+    Ack,
+    Command,
+    Drain,
+    Goodbye,
+    Heartbeat,
+    Stop,
+    decode_from_worker,
+    encode,
+)
+from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float, str]] = []
+
+    def request_stop(self, deadline: float, reason: str) -> None:
+        self.calls.append(("stop", deadline, reason))
+
+    def request_drain(self, deadline: float) -> None:
+        self.calls.append(("drain", deadline, ""))
+
+
+@pytest.fixture
+def setup() -> tuple[CommandDispatcher, FakeWorker, list[Any]]:
+    worker = FakeWorker()
+    posted: list[Any] = []
+    return CommandDispatcher(2, 5, worker, posted.append), worker, posted
+
+
+def test_identity() -> None:
+    assert worker_identity(3, 7, 1234) == b"3:7:1234"
+
+
+def test_stop_acks_and_stops(setup: Any) -> None:
+    d, worker, posted = setup
+    d.handle_frame(encode(Stop(id="s1", deadline=4.5)))
+    assert posted == [Ack(slot=2, generation=5, ref="s1")]
+    assert worker.calls == [("stop", 4.5, "stopped")]
+
+
+def test_drain_acks_and_drains(setup: Any) -> None:
+    d, worker, posted = setup
+    d.handle_frame(encode(Drain(id="d1", deadline=-3)))
+    assert worker.calls == [("drain", 0.0, "")]  # negative deadline clamped
+    assert posted == [Ack(slot=2, generation=5, ref="d1")]
+
+
+def test_ping_and_unknown_commands(setup: Any) -> None:
+    d, worker, posted = setup
+    d.handle_frame(encode(Command(id="c1", name="ping")))
+    d.handle_frame(encode(Command(id="c2", name="reticulate", args={"x": 1})))
+    assert posted == [
+        Ack(slot=2, generation=5, ref="c1"),
+        Ack(slot=2, generation=5, ref="c2", ok=False, detail="unknown command reticulate"),
+    ]
+    assert worker.calls == []
+
+
+def test_trim_command(setup: Any) -> None:
+    d, _, posted = setup
+    d.handle_frame(encode(Command(id="t", name="trim")))
+    assert posted[0].ok and posted[0].ref == "t" and "gc collected" in posted[0].detail
+
+
+@pytest.mark.parametrize("frame", [
+    b"",
+    b"\x00garbage",
+    b"\xc1",
+    encode(Heartbeat(slot=0, generation=0, loop_lag=0.0, mono=0.0)),  # wrong direction
+    encode(Goodbye(slot=0, generation=0, reason="x")),
+    b"\x81\xa4type\xa4Stop",  # right tag, missing fields
+    b"\x00" * (2 << 20),      # over MAX_MESSAGE_BYTES
+])
+def test_malformed_frames_are_counted_and_dropped(setup: Any, frame: bytes) -> None:
+    d, worker, posted = setup
+    logged: list[Any] = []
+    d._debug = lambda *a, **k: logged.append((a, k))
+    d.handle_frame(frame)
+    assert d.bad_frames == 1 and posted == [] and worker.calls == [] and logged
+
+
+def test_channel_round_trip_over_ipc() -> None:
+    async def main() -> None:
+        d = tempfile.mkdtemp(prefix="nswc-")
+        endpoint = f"ipc://{d}/ctl.sock"
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        chan = ControlChannel(endpoint, b"1:2:3", linger_ms=100)
+        try:
+            assert chan.post(Ack(slot=1, generation=2, ref="hello"))
+            loop = asyncio.get_running_loop()
+            frames = await loop.run_in_executor(None, router.recv_multipart)
+            assert frames[0] == b"1:2:3" and decode_from_worker(frames[1]).ref == "hello"
+            router.send_multipart([b"1:2:3", encode(Command(id="x", name="ping"))])
+            assert await asyncio.wait_for(chan.recv(), 5) == encode(Command(id="x", name="ping"))
+            router.send_multipart([b"1:2:3", b"", b"payload"])  # a REQ-style delimiter is tolerated
+            assert await asyncio.wait_for(chan.recv(), 5) == b"payload"
+        finally:
+            chan.close()
+            assert not chan.post(Ack(slot=1, generation=2, ref="late"))  # closed: dropped, no raise
+            assert chan.dropped == 1
+            router.close(0)
+            ctx.term()
+            os.unlink(f"{d}/ctl.sock")
+            os.rmdir(d)
+
+    asyncio.run(main())
+
+
+def test_post_never_blocks_when_nobody_listens() -> None:
+    async def main() -> None:
+        d = tempfile.mkdtemp(prefix="nswc-")
+        chan = ControlChannel(f"ipc://{d}/nobody.sock", b"x", linger_ms=0, sndhwm=5)
+        try:
+            results = [chan.post(Ack(slot=0, generation=0, ref=str(i))) for i in range(50)]
+        finally:
+            chan.close()
+            os.rmdir(d)
+        assert results.count(False) >= 40 and chan.dropped == results.count(False)
+
+    asyncio.run(main())

@@ -1,0 +1,187 @@
+"""uvicorn glue: listener wrapping, config, the guarded protocol and drain helpers (in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from typing import Any, AsyncIterator
+
+import pytest
+
+from numaserve.apps.demo import app as demo_app
+from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
+from numaserve.worker.spec import WorkerSpec
+
+
+def make_spec(**kw: Any) -> WorkerSpec:
+    base: dict[str, Any] = dict(slot=0, node=0, generation=1, cpus=[0], mempolicy="local",
+                                memory_nodes=[0], fd=-1, control="ipc:///nonexistent")
+    base.update(kw)
+    return WorkerSpec(**base)
+
+
+def listening_socket() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
+
+
+def test_loop_factory() -> None:
+    import uvloop
+
+    assert loop_factory("auto") is uvloop.new_event_loop
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+    with pytest.raises(ValueError):
+        loop_factory("trio")
+
+
+def test_open_listener_wraps_a_dup_and_makes_it_cloexec() -> None:
+    with listening_socket() as lst:
+        fd = os.dup(lst.fileno())
+        os.set_inheritable(fd, True)
+        sock = open_listener(fd)
+        assert sock.fileno() == fd and not sock.get_inheritable()
+        sock.close()
+        # the original listener is unaffected by closing our descriptor
+        assert lst.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        with socket.create_connection(lst.getsockname(), timeout=2):
+            pass
+
+
+@pytest.mark.parametrize("kind", ["unlistened", "udp"])
+def test_open_listener_refuses_non_listeners_and_leaves_the_fd(kind: str) -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM)
+    try:
+        with pytest.raises(OSError):
+            open_listener(s.fileno())
+        os.fstat(s.fileno())  # still open: not ours to close
+    finally:
+        s.close()
+
+
+def test_open_listener_bad_fd() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError):
+        open_listener(r)
+
+
+def test_build_config_maps_the_spec() -> None:
+    spec = make_spec(keepalive_timeout=7.5, graceful_timeout=12.0, max_header_bytes=1234,
+                     max_connections=50, access_log=True)
+    cfg = build_config(spec, demo_app)
+    assert cfg.timeout_keep_alive == 7.5 and cfg.timeout_graceful_shutdown == 12.0
+    assert cfg.h11_max_incomplete_event_size == 1234 and cfg.limit_concurrency == 50
+    assert cfg.lifespan == "auto" and cfg.server_header is False and cfg.date_header is True
+    assert cfg.log_config is None and cfg.access_log is True
+    assert cfg.http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert build_config(make_spec(http="h11"), demo_app).http == "h11"
+    assert build_config(make_spec(max_connections=0), demo_app).limit_concurrency is None
+
+
+@contextlib.asynccontextmanager
+async def serving(**spec_kw: Any) -> AsyncIterator[tuple[WorkerServer, socket.socket, list[int]]]:
+    lst = listening_socket()
+    started: list[int] = []
+    spec = make_spec(**spec_kw)
+    server = WorkerServer(build_config(spec, demo_app), on_started=lambda: started.append(1))
+    sock = socket.socket(fileno=os.dup(lst.fileno()))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started
+        yield server, lst, started
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        lst.close()
+
+
+async def exchange(addr: Any, data: bytes, timeout: float = 3.0) -> bytes:
+    r, w = await asyncio.open_connection(*addr)
+    w.write(data)
+    out = b""
+    try:
+        while chunk := await asyncio.wait_for(r.read(65536), timeout):
+            out += chunk
+    finally:
+        w.close()
+    return out
+
+
+def test_no_signal_handlers_and_started_hook() -> None:
+    async def main() -> None:
+        before = signal.getsignal(signal.SIGTERM)
+        async with serving() as (server, lst, started):
+            assert signal.getsignal(signal.SIGTERM) is before
+            assert started == [1]
+
+    asyncio.run(main())
+
+
+def test_guarded_protocol_answers_431_for_a_huge_header_block() -> None:
+    async def main() -> None:
+        async with serving(max_header_bytes=4096) as (server, lst, _):
+            out = await exchange(lst.getsockname(),
+                                 b"GET / HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 20000 + b"\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 431") and b"connection: close" in out
+            # many small headers add up too
+            many = b"".join(b"X-%d: %s\r\n" % (i, b"v" * 100) for i in range(60))
+            out = await exchange(lst.getsockname(), b"GET / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+            assert out.startswith(b"HTTP/1.1 431")
+            # under the limit is served
+            out = await exchange(lst.getsockname(),
+                                 b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 200")
+
+    asyncio.run(main())
+
+
+def test_guarded_protocol_header_timeout() -> None:
+    async def main() -> None:
+        async with serving(read_timeout=0.2) as (server, lst, _):
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            out = await exchange(lst.getsockname(), b"GET / HTTP/1.1\r\nHost: x\r\n")
+            assert out.startswith(b"HTTP/1.1 408") and loop.time() - t0 < 2
+            out = await exchange(lst.getsockname(), b"")  # connected, silent: closed, no answer
+            assert out == b""
+
+    asyncio.run(main())
+
+
+def test_stop_accepting_and_shutdown_connections() -> None:
+    async def main() -> None:
+        async with serving(keepalive_timeout=30) as (server, lst, _):
+            addr = lst.getsockname()
+            r, w = await asyncio.open_connection(*addr)
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(r.readuntil(b"\r\n\r\nok"), 3)
+            assert server.connection_count == 1
+            assert server.stop_accepting() == 1
+            # the listener itself is still open: this connection waits in its backlog
+            r2, w2 = await asyncio.open_connection(*addr)
+            w2.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(r2.read(1), 0.3)
+            assert lst.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            assert server.shutdown_connections() == 1  # the idle keep-alive one
+            assert await asyncio.wait_for(r.read(), 3) == b""
+            w.close()
+            # the queued one is still there for whoever accepts next
+            conn, _ = lst.accept()
+            assert b"GET /healthz" in conn.recv(1024)
+            conn.close()
+            w2.close()
+
+    asyncio.run(main())
