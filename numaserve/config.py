@@ -57,6 +57,7 @@ class ServerConfig(_Section):
     max_connections: int = 0
     read_timeout: float = 30.0
     access_log: bool = False
+    steering: Literal["hash", "numa"] = "hash"
 
 
 class PlacementConfig(_Section):

@@ -44,6 +44,7 @@ __all__ = [
     "group_positions_after_close",
     "CollapseVerdict",
     "loopback_collapse_check",
+    "build_selection_program",
 ]
 
 # <asm-generic/socket.h> (x86_64, aarch64)
@@ -55,6 +56,10 @@ BPF_JMP, BPF_JEQ, BPF_K = 0x05, 0x10, 0x00
 BPF_RET = 0x06
 SKF_AD_OFF = -0x1000
 SKF_AD_CPU = 36
+SKF_NET_OFF = -0x100000
+BPF_LDX, BPF_B, BPF_H, BPF_IND, BPF_MSH = 0x01, 0x10, 0x08, 0x40, 0xA0
+BPF_ALU, BPF_MOD, BPF_MUL, BPF_RSH = 0x04, 0x90, 0x20, 0x70
+_KNUTH = 2654435761  # multiplicative hash constant (golden ratio, 32-bit)
 BPF_MAXINSNS = 4096
 HASH_FALLBACK = 0xFFFFFFFF
 _U32 = 0xFFFFFFFF
@@ -88,6 +93,60 @@ def build_cpu_table_program(cpu_to_slot: Mapping[int, int]) -> list[Insn]:
         prog.append((BPF_JMP | BPF_JEQ | BPF_K, 0, 1, cpu & _U32))
         prog.append((BPF_RET | BPF_K, 0, 0, slot & _U32))
     prog.append((BPF_RET | BPF_K, 0, 0, HASH_FALLBACK))
+    return prog
+
+
+def build_selection_program(
+    *,
+    healthy: Sequence[int],
+    group_size: int,
+    cpu_to_pos: Mapping[int, int] | None = None,
+    ipv6: bool = False,
+) -> list[Insn] | None:
+    """The program for a slot set where some slots must not get new connections.
+
+    ``healthy``: group positions that may take new connections (ready, not
+    drained).  ``cpu_to_pos``: optional NUMA table (CPU → position) tried
+    first.  Connections the table does not place are spread over the healthy
+    positions by a multiplicative hash of the client's source port (the
+    kernel's own hash would include unhealthy sockets).  Returns None when plain kernel
+    hashing is right: every slot healthy and no NUMA table, or no slot
+    healthy at all (then queues must keep filling for the replacements).
+
+    The source port is read relative to the network header (``SKF_NET_OFF``):
+    IPv4 via ``ldx 4*([0]&0xf)`` (honours IP options), IPv6 at offset 40.
+    """
+    pos = sorted(set(healthy))
+    if any(p < 0 or p >= group_size for p in pos):
+        raise ValueError(f"healthy positions {pos} outside a group of {group_size}")
+    table = dict(cpu_to_pos or {})
+    everyone = len(pos) == group_size
+    if not pos:
+        return None
+    if everyone and not table:
+        return None
+    prog: list[Insn] = []
+    if table:
+        prog = build_cpu_table_program(table)[:-1]  # drop the final "ret hash": fall into the spread below
+        if everyone:
+            prog.append((BPF_RET | BPF_K, 0, 0, HASH_FALLBACK))
+            return prog
+    if ipv6:
+        prog.append((BPF_LD | BPF_H | BPF_ABS, 0, 0, (SKF_NET_OFF + 40) & _U32))
+    else:
+        prog.append((BPF_LDX | BPF_B | BPF_MSH, 0, 0, SKF_NET_OFF & _U32))
+        prog.append((BPF_LD | BPF_H | BPF_IND, 0, 0, SKF_NET_OFF & _U32))
+    # Linux clients prefer *even* ephemeral ports for connect(): mix before the
+    # modulo or a 2-way split sends nearly everything to one side.
+    prog.append((BPF_ALU | BPF_MUL | BPF_K, 0, 0, _KNUTH))
+    prog.append((BPF_ALU | BPF_RSH | BPF_K, 0, 0, 16))
+    prog.append((BPF_ALU | BPF_MOD | BPF_K, 0, 0, len(pos)))
+    for i, p in enumerate(pos):
+        prog.append((BPF_JMP | BPF_JEQ | BPF_K, 0, 1, i))
+        prog.append((BPF_RET | BPF_K, 0, 0, p))
+    prog.append((BPF_RET | BPF_K, 0, 0, HASH_FALLBACK))
+    if len(prog) > BPF_MAXINSNS:
+        raise ProgramTooLarge(f"selection program needs {len(prog)} instructions > {BPF_MAXINSNS}")
     return prog
 
 

@@ -35,6 +35,8 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 @click.option("--root", default=None, help="sysfs/procfs root to discover (for testing on dumps).")
 @click.option("--declared", default=None, help="Declared topology file (pretend or corrected nodes).")
 @click.option("--mempolicy", default=None, type=click.Choice(["bind", "preferred", "interleave", "local"]))
+@click.option("--steering", default=None, type=click.Choice(["hash", "numa"]),
+              help="Connection steering: kernel hash, or to a slot on the receiving CPU's node.")
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -50,6 +52,7 @@ def start(
     root: str | None,
     declared: str | None,
     mempolicy: str | None,
+    steering: str | None,
 ) -> None:
     """Start one pinned, memory-bound worker per NUMA node and supervise them.
 
@@ -67,6 +70,7 @@ def start(
         "cmd": cmd,
         "app_dir": app_dir,
         "backlog": backlog,
+        "steering": steering,
     }
     # a flag choosing one kind of worker clears the other kind set in the file
     if app:
@@ -101,7 +105,7 @@ def start(
     topo = discover(cfg.placement.sysfs_root, declared=cfg.placement.topology_file or None)
     plan = make_plan(topo, cfg.placement)
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))
-    sup = Supervisor(cfg, plan, runtime, config_path=config_path)
+    sup = Supervisor(cfg, plan, runtime, config_path=config_path, topology=topo)
     try:
         sup.open()
     except BaseException:

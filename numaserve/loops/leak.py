@@ -392,17 +392,20 @@ class LeakDetector:
         if not s.enabled:
             return Verdict(kind="ok", reason="disabled", detail="leak detection disabled", at=now,
                            evidence=self._evidence(None, []))
-        if self._requests < s.grace_requests or age < s.grace_seconds:
+        req_grace = self._requests < s.grace_requests
+        time_grace = age < s.grace_seconds
+        # The request axis needs both graces; the time axis (timer leaks, idle workers) only the time.
+        if time_grace or (req_grace and not (s.time_axis and self.budget > 0)):
             return Verdict(kind="warming", reason="grace", at=now, evidence=self._evidence(None, []),
                            detail=(f"grace: {self._requests}/{s.grace_requests} requests, "
                                    f"{age:.0f}/{s.grace_seconds:.0f} s"))
         metrics: list[Metric] = ["rss", "uss"] if s.use_uss else ["rss"]
         # Request axis: only re-run on new requests (an idle worker adds no evidence).
-        fresh_req = self._requests > self._last_req_axis_req
+        fresh_req = not req_grace and self._requests > self._last_req_axis_req
         if fresh_req:
             self._last_req_axis_req = self._requests
             self._req_trends = [t for m in metrics if (t := self._request_trend(m)) is not None]
-        time_trends = [t for m in metrics if (t := self._time_trend(m, age)) is not None] if s.time_axis else []
+        time_trends = [t for m in metrics if (t := self._time_trend(m)) is not None] if s.time_axis else []
         trends = self._req_trends + time_trends
         flagged = [t for t in trends if t.flagged]
         fresh_flag = any(t.flagged for t in time_trends) or (fresh_req and any(t.flagged for t in self._req_trends))
@@ -415,7 +418,8 @@ class LeakDetector:
         ev = self._evidence(primary, trends)
         if not trends:
             return Verdict(kind="warming", reason="insufficient-data", at=now, evidence=ev,
-                           detail=f"fewer than {s.min_points} points in the window")
+                           detail=(f"request axis: {'grace' if req_grace else f'fewer than {s.min_points} points'}; "
+                                   f"time axis: {'off' if not (s.time_axis and self.budget > 0) else 'window not covered yet'}"))
         if not flagged:
             return Verdict(kind="ok", reason="no-trend", at=now, evidence=ev, detail=self._describe(primary))
         assert primary is not None
@@ -478,7 +482,7 @@ class LeakDetector:
         current = max(self._rss, self._uss or 0)
         return max((soft - current) / self.s.time_horizon_s, self.s.time_min_bytes_per_hour / 3600.0)
 
-    def _time_trend(self, metric: Metric, age: float) -> Trend | None:
+    def _time_trend(self, metric: Metric) -> Trend | None:
         s = self.s
         per_s = self._time_threshold_per_s()
         if per_s is None:

@@ -31,6 +31,7 @@ from numaserve.control import messages as m
 from numaserve.errors import NumaserveError
 from numaserve.listeners import ListenerSet, accept_queue_depth, open_listeners
 from numaserve.placement import Plan
+from numaserve.topology.model import Topology
 from numaserve.runtime import (
     AUDIT_LOG,
     CONTROL_SOCKET,
@@ -44,6 +45,7 @@ from numaserve.supervisor import slots as S
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.notify import Notifier
+from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
 
 log = structlog.get_logger("numaserve.supervisor")
@@ -82,8 +84,12 @@ def describe_exit(code: int | None) -> str:
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, plan: Plan, runtime: RuntimeDir, *, config_path: str | None = None) -> None:
+    def __init__(
+        self, cfg: Config, plan: Plan, runtime: RuntimeDir, *, config_path: str | None = None,
+        topology: Topology | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.topology = topology
         self.plan = plan
         self.runtime = runtime
         self.config_path = config_path
@@ -100,6 +106,7 @@ class Supervisor:
             p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
         }
         self.listeners = ListenerSet()
+        self.steering: Steering | None = None
         self.ctx: zmq.asyncio.Context | None = None
         self.ctl: zmq.asyncio.Socket | None = None
         self.ops: zmq.asyncio.Socket | None = None
@@ -132,6 +139,12 @@ class Supervisor:
         self.runtime.acquire()
         self.listeners = open_listeners(
             self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
+        )
+        self.steering = Steering(
+            self.listeners,
+            mode=self.cfg.server.steering,
+            cpu_node=self.topology.cpu_node() if self.topology else {},
+            slot_node={s.slot: s.node for s in self.plan.slots},
         )
         self.ctx = zmq.asyncio.Context()
         gid = self.runtime.share_with_group(self.cfg.ops.readonly_group) if self.cfg.ops.readonly_group else None
@@ -226,6 +239,7 @@ class Supervisor:
                     self._readiness(now)
                 self._watchdog(now)
                 self._verify(now)
+                self._steer()
                 self._notify(now)
                 self.wake.clear()
                 try:
@@ -631,6 +645,14 @@ class Supervisor:
             if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED):
                 slot.state = S.STOPPED
 
+    def healthy_slots(self) -> list[int]:
+        """Slots that should receive new connections: a worker is serving there."""
+        return [s.plan.slot for s in self.slots.values() if s.state == S.READY and not s.drained]
+
+    def _steer(self) -> None:
+        if self.steering is not None and not self.stopping:
+            self.steering.update(self.healthy_slots())
+
     # ---------------------------------------------------------------- systemd
 
     def status_line(self) -> str:
@@ -724,6 +746,7 @@ class Supervisor:
                     for slot, ls in self.listeners.by_slot.items()
                 },
                 "bad_messages": self.bad_messages,
+                "steering": self.steering.status() if self.steering else None,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),
                 "cmd": self.cfg.server.cmd,
             },

@@ -62,6 +62,7 @@ class SlotState:
     failed_reason: str | None = None
     ever_ready: bool = False
     requests_before: int = 0            # requests served by earlier generations
+    drained: bool = False               # operator drained: no new connections, no worker
 
     def status(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
@@ -100,4 +101,5 @@ class SlotState:
             "loop_lag_s": round(w.loop_lag, 4) if w else None,
             "last_heartbeat_s": round(now - w.last_beat, 3) if w and w.last_beat else None,
             "external": w.external if w else None,
+            "drained": self.drained,
         }

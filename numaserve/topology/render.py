@@ -43,7 +43,8 @@ def _node(nid: int | None, source: str) -> str:
 def _nodes_table(topo: Topology) -> Table:
     t = Table(title="NUMA nodes", title_justify="left")
     for col in ("node", "cpus", "usable", "memory", "free", "mem node", "hugepages", "nics", "gpus"):
-        t.add_column(col, justify="right" if col in ("node", "memory", "free") else "left")
+        t.add_column(col, justify="right" if col in ("node", "memory", "free") else "left",
+                     no_wrap=col in ("node", "memory", "free", "mem node"))
     for n in topo.nodes:
         hp = ", ".join(f"{h.total if h.total is not None else '?'}x{h.size_kb}kB" for h in n.hugepages if h.total)
         mem_node = str(n.bind_node) + ("" if n.memory_allowed else " (not allowed)")

@@ -98,12 +98,6 @@ class Root:
     def exists(self, rel: str) -> bool:
         return os.path.exists(self.host_path(rel))
 
-    def is_link(self, rel: str) -> bool:
-        """True when ``rel`` itself is a symlink (its target may be missing)."""
-        parent, _, name = rel.rstrip("/").rpartition("/")
-        base = self.host_path(parent) if parent else self.base
-        return os.path.islink(os.path.join(base, name))
-
     def readlink(self, rel: str) -> str | None:
         """The link text of ``rel`` (not resolved), ``None`` when it is not a link."""
         parent, _, name = rel.rstrip("/").rpartition("/")

@@ -205,7 +205,16 @@ class Worker:
                 self.log.exception("control_handler_failed")
 
     def _spawn(self, coro: Any) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: "asyncio.Task[None]") -> None:
+        """A dead heartbeat loop would look like a hang: at least say why in the log."""
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.log.error("background_task_failed", task=task.get_coro().__qualname__,
+                           error=describe_exception(exc), exc_info=exc)
 
     # --- lifecycle ---------------------------------------------------------------
 

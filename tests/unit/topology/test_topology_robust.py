@@ -309,3 +309,10 @@ def test_classify_is_total(name, ifname):
     kind, queue = classify_irq(name, ifname)
     assert kind in ("queue", "admin", "unknown")
     assert (queue is None) or (kind == "queue" and queue >= 0)
+
+
+def test_only_node_digit_dirs_are_nodes(two_node):
+    for stray in ("node1x", "nodes", "node", "power", "memory12"):
+        (two_node.path / NODE / stray).mkdir()
+    two_node.write(f"{NODE}/node2.bak/cpulist", "0")
+    assert discover(str(two_node)).node_ids == (0, 1)
