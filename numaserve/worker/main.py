@@ -160,15 +160,21 @@ class Worker:
         self.log.info("ready")
 
     async def _heartbeat_loop(self) -> None:
-        """Beats come from the event loop itself, so a blocked loop stops them."""
+        """Beats come from the event loop itself, so a blocked loop stops them.
+
+        ``loop_lag`` is measured against the time the beat was due, and the
+        next due time is taken from the same clock reading, so a stall
+        anywhere in the cycle shows up in the next beat.
+        """
         interval = self.spec.heartbeat_interval
         spec = self.spec
+        due = time.monotonic() + interval
         while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
-            self._post(Heartbeat(slot=spec.slot, generation=spec.generation,
-                                 loop_lag=max(0.0, now - t0 - interval), mono=now))
+            lag = max(0.0, now - due)
+            due = now + interval
+            self._post(Heartbeat(slot=spec.slot, generation=spec.generation, loop_lag=lag, mono=now))
             if os.getppid() != self.ppid and not self.orphaned:
                 self.orphaned = True
                 self.log.error("supervisor_gone", ppid=self.ppid, now_ppid=os.getppid())
