@@ -228,7 +228,7 @@ class Supervisor:
                 self._reap(now)
                 if self.stopping:
                     self._stop_progress(now)
-                    if not any(s.worker for s in self.slots.values()):
+                    if not any(True for s in self.slots.values() for _ in s.workers()):
                         break
                 else:
                     self._restart_due(now)
@@ -257,13 +257,13 @@ class Supervisor:
 
     def close(self) -> None:
         for slot in self.slots.values():
-            w = slot.worker
-            if w and w.popen.poll() is None:
-                self._signal(w, signal.SIGKILL)
-                try:
-                    w.popen.wait(5)
-                except Exception:
-                    pass
+            for w in slot.workers():
+                if w.popen.poll() is None:
+                    self._signal(w, signal.SIGKILL)
+                    try:
+                        w.popen.wait(5)
+                    except Exception:
+                        pass
         self.listeners.close()
         for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
             if sock is not None:
@@ -279,18 +279,12 @@ class Supervisor:
 
     # ---------------------------------------------------------------- workers
 
-    def _start_worker(self, slot: S.SlotState, now: float) -> None:
+    def _spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
+        """Start the slot's next generation (raises OSError/NumaserveError)."""
         slot.generation += 1
         fds = self.listeners.by_slot[slot.plan.slot]
-        try:
-            popen, external = spawn(self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET))
-        except (OSError, NumaserveError) as e:
-            reason = f"spawn failed: {e}"
-            log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
-            self._after_exit(slot, now, 0.0, reason, counted=True)
-            return
-        slot.worker = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external)
-        slot.state = S.STARTING
+        popen, external = spawn(self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET))
+        w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external)
         log.info(
             "spawn",
             slot=slot.plan.slot,
@@ -303,38 +297,62 @@ class Supervisor:
             external=external,
         )
         self.publish("spawn", slot=slot.plan.slot, generation=slot.generation, pid=popen.pid)
+        return w
+
+    def _start_worker(self, slot: S.SlotState, now: float) -> None:
+        try:
+            slot.worker = self._spawn_generation(slot, now)
+        except (OSError, NumaserveError) as e:
+            log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
+            self._after_exit(slot, now, 0.0, f"spawn failed: {e}", counted=True)
+            return
+        slot.state = S.STARTING
 
     def _reap(self, now: float) -> None:
         for slot in self.slots.values():
-            w = slot.worker
-            if w is None:
-                continue
-            code = w.popen.poll()
-            if code is None:
-                continue
-            slot.worker = None
-            uptime = now - w.started
-            cause = describe_exit(code)
-            reason = w.kill_reason or (f"goodbye: {w.goodbye}; {cause}" if w.goodbye and code != 0 else cause)
-            slot.requests_before += w.stats.requests if w.stats else 0
-            slot.last_exit = cause
-            if self.stopping or (w.stop_sent is not None and not w.kill_reason):
-                log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause)
-                slot.state = S.STOPPED
-                continue
-            if code == WORKER_EXIT_APP_LOAD and not slot.ever_ready:
-                slot.failed_reason = w.goodbye or cause
-            log.warning(
-                "worker_crash",
-                slot=slot.plan.slot,
-                pid=w.pid,
-                generation=w.generation,
-                exit=cause,
-                reason=reason,
-                uptime_s=round(uptime, 3),
-            )
-            self.publish("crash", slot=slot.plan.slot, pid=w.pid, reason=reason)
-            self._after_exit(slot, now, uptime, reason, counted=True, boot=w.ready is None, code=code)
+            for w in list(slot.workers()):
+                code = w.popen.poll()
+                if code is not None:
+                    self._on_exit(slot, w, code, now)
+
+    def _on_exit(self, slot: S.SlotState, w: S.WorkerProc, code: int, now: float) -> None:
+        uptime = now - w.started
+        cause = describe_exit(code)
+        reason = w.kill_reason or (f"goodbye: {w.goodbye}; {cause}" if w.goodbye and code != 0 else cause)
+        w.exit_code, w.exit_cause = code, reason
+        w.exit_evt.set()
+        w.ready_evt.set()  # wake anyone waiting for readiness: it will not come
+        slot.requests_before += w.stats.requests if w.stats else 0
+        expected = self.stopping or (w.stop_sent is not None and not w.kill_reason)
+        if w in slot.retiring:
+            slot.retiring.remove(w)
+            log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause,
+                     role="retiring")
+            return
+        if w is slot.incoming:
+            slot.incoming = None
+            log.warning("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=reason,
+                        role="incoming")
+            return
+        slot.worker = None
+        slot.last_exit = cause
+        if expected:
+            log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause)
+            slot.state = S.DRAINED if slot.drained else S.STOPPED
+            return
+        if code == WORKER_EXIT_APP_LOAD and not slot.ever_ready:
+            slot.failed_reason = w.goodbye or cause
+        log.warning(
+            "worker_crash",
+            slot=slot.plan.slot,
+            pid=w.pid,
+            generation=w.generation,
+            exit=cause,
+            reason=reason,
+            uptime_s=round(uptime, 3),
+        )
+        self.publish("crash", slot=slot.plan.slot, pid=w.pid, reason=reason)
+        self._after_exit(slot, now, uptime, reason, counted=True, boot=w.ready is None, code=code)
 
     def _after_exit(
         self, slot: S.SlotState, now: float, uptime: float, reason: str, *, counted: bool,
@@ -377,7 +395,7 @@ class Supervisor:
 
     def _restart_due(self, now: float) -> None:
         for slot in self.slots.values():
-            if slot.state == S.BACKOFF and slot.worker is None and now >= slot.next_start:
+            if slot.state == S.BACKOFF and slot.worker is None and not slot.drained and now >= slot.next_start:
                 self._start_worker(slot, now)
 
     def _readiness(self, now: float) -> None:
@@ -395,11 +413,21 @@ class Supervisor:
         # External commands have no control channel: ready once alive for a grace
         # period and the launcher has exec'd them (binding verified from outside).
         for s in slots:
-            w = s.worker
-            if w and w.external and w.ready is None and now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
-                w.ready = now
-                w.last_beat = now
-                self._mark_ready(s, now)
+            for w in (s.worker, s.incoming):
+                if w and w.external and w.ready is None and now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
+                    w.last_beat = now
+                    self._on_ready(s, w, now)
+
+    def _on_ready(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
+        if w.ready is not None:
+            return
+        w.ready = now
+        w.ready_evt.set()
+        if w is slot.worker and not self.stopping and w.stop_sent is None:
+            self._mark_ready(slot, now)
+        elif w is slot.incoming:
+            log.info("worker_ready", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
+                     boot_s=round(now - w.started, 3), role="incoming")
 
     def _mark_ready(self, slot: S.SlotState, now: float) -> None:
         slot.state = S.READY
@@ -420,40 +448,40 @@ class Supervisor:
     def _watchdog(self, now: float) -> None:
         sup = self.cfg.supervisor
         for slot in self.slots.values():
-            w = slot.worker
-            if w is None or w.popen.poll() is not None:
-                continue
-            if w.kill_sent is not None:
-                continue
-            if w.abort_sent is not None:
-                if now - w.abort_sent >= sup.abort_grace:
-                    log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not exit after SIGABRT")
-                    self._signal(w, signal.SIGKILL)
-                    w.kill_sent = now
-                continue
-            if w.stop_sent is not None:
-                deadline = self.cfg.server.graceful_timeout + 5.0
-                if now - w.stop_sent >= deadline:
-                    log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not stop in time")
-                    self._signal(w, signal.SIGKILL)
-                    w.kill_sent = now
-                    self.forced_kills = True
-                continue
-            if self.stopping:
-                continue
-            reason = None
-            if w.ready is None and now - w.started > sup.ready_timeout:
-                reason = f"not ready within {sup.ready_timeout:g}s"
-            elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
-                reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
-            if reason:
-                w.kill_reason = reason
-                w.abort_sent = now
-                log.warning("hang", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
-                self.publish("hang", slot=slot.plan.slot, pid=w.pid, reason=reason)
-                # SIGABRT first (a Python worker dumps its stack via faulthandler);
-                # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
-                self._signal(w, signal.SIGABRT)
+            for w in list(slot.workers()):
+                if w.popen.poll() is not None or w.kill_sent is not None:
+                    continue
+                if w.abort_sent is not None:
+                    if now - w.abort_sent >= sup.abort_grace:
+                        log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not exit after SIGABRT")
+                        self._kill(w, now)
+                    continue
+                if w.stop_sent is not None:
+                    if now - w.stop_sent >= w.stop_deadline + 5.0:
+                        log.warning("kill", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
+                                    reason=f"did not stop within {w.stop_deadline:g}s")
+                        self._kill(w, now)
+                        self.forced_kills = self.forced_kills or self.stopping
+                    continue
+                if self.stopping or w in slot.retiring:
+                    continue
+                reason = None
+                if w.ready is None and now - w.started > sup.ready_timeout:
+                    reason = f"not ready within {sup.ready_timeout:g}s"
+                elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
+                    reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
+                if reason:
+                    w.kill_reason = reason
+                    w.abort_sent = now
+                    log.warning("hang", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
+                    self.publish("hang", slot=slot.plan.slot, pid=w.pid, reason=reason)
+                    # SIGABRT first (a Python worker dumps its stack via faulthandler);
+                    # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
+                    self._signal(w, signal.SIGABRT)
+
+    def _kill(self, w: S.WorkerProc, now: float) -> None:
+        self._signal(w, signal.SIGKILL)
+        w.kill_sent = now
 
     def _signal(self, w: S.WorkerProc, sig: int) -> None:
         try:
@@ -467,9 +495,8 @@ class Supervisor:
         from numaserve.verify import check_placement, read_placement
 
         interval = self.cfg.supervisor.verify_interval
-        for slot in self.slots.values():
-            w = slot.worker
-            if w is None or w.popen.poll() is not None:
+        for slot, w in [(sl, w) for sl in self.slots.values() for w in sl.workers()]:
+            if w.popen.poll() is not None:
                 continue
             first = w.verified_at is None and (w.hello is not None or (w.external and now - w.started > 0.5))
             due = w.verified_at is not None and interval > 0 and now - w.verified_at >= interval
@@ -527,10 +554,10 @@ class Supervisor:
 
     def _handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor) -> None:
         slot = self.slots.get(msg.slot)
-        if slot is None or slot.worker is None or slot.worker.generation != msg.generation:
+        w = slot.find(msg.generation) if slot is not None else None
+        if slot is None or w is None:
             self._bad("control", f"message for unknown slot/generation {msg.slot}/{msg.generation}")
             return
-        w = slot.worker
         now = time.monotonic()
         if isinstance(msg, m.Hello):
             if msg.protocol != m.PROTOCOL:
@@ -546,8 +573,8 @@ class Supervisor:
             w.placement = msg.placement
             if msg.placement is not None and not msg.placement.ok:
                 log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
-            if self.stopping:
-                self._send_stop(slot, now)
+            if self.stopping and w.stop_sent is None:
+                self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
             return
         if w.identity is None or identity != w.identity:
             self._bad("control", "message before hello or from another identity")
@@ -556,10 +583,7 @@ class Supervisor:
         if isinstance(msg, m.Heartbeat):
             w.loop_lag = msg.loop_lag
         elif isinstance(msg, m.Ready):
-            if w.ready is None:
-                w.ready = now
-                if not self.stopping:
-                    self._mark_ready(slot, now)
+            self._on_ready(slot, w, now)
         elif isinstance(msg, m.Stats):
             w.stats = msg
             if msg.rss_bytes:
@@ -570,9 +594,8 @@ class Supervisor:
         elif isinstance(msg, m.Ack):
             log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
 
-    async def send_to_worker(self, slot: S.SlotState, msg: m.Msg) -> bool:
-        w = slot.worker
-        if w is None or w.identity is None or self.ctl is None:
+    async def _send(self, w: S.WorkerProc, msg: m.Msg) -> bool:
+        if w.identity is None or self.ctl is None:
             return False
         try:
             await self.ctl.send_multipart([w.identity, m.encode(msg)], flags=zmq.NOBLOCK)
@@ -618,31 +641,39 @@ class Supervisor:
         if fast:
             self.fast_stop = True
             for slot in self.slots.values():
-                w = slot.worker
-                if w and w.popen.poll() is None and w.kill_sent is None:
-                    self._signal(w, signal.SIGKILL)
-                    w.kill_sent = now
-                    self.forced_kills = True
+                for w in slot.workers():
+                    if w.popen.poll() is None and w.kill_sent is None:
+                        self._kill(w, now)
+                        self.forced_kills = True
             return
         if first:
             for slot in self.slots.values():
-                self._send_stop(slot, now)
+                if slot.worker is not None:
+                    slot.state = S.STOPPING
+                for w in slot.workers():
+                    if w.stop_sent is None:
+                        self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
 
-    def _send_stop(self, slot: S.SlotState, now: float) -> None:
-        w = slot.worker
-        if w is None or w.stop_sent is not None:
+    def _send_stop_to(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
+        """Ask one worker to finish in-flight work within ``deadline`` s and exit.
+
+        ``drain``: Drain (it stops accepting at once) rather than Stop; both end
+        with the worker exiting. External commands get SIGTERM.
+        """
+        if w.stop_sent is not None:
             return
-        slot.state = S.STOPPING
         w.stop_sent = now
+        w.stop_deadline = deadline
         if w.identity is not None and not w.external:
-            msg = m.Stop(id=uuid.uuid4().hex[:12], deadline=self.cfg.server.graceful_timeout)
-            asyncio.get_running_loop().create_task(self.send_to_worker(slot, msg))
-        else:
+            msg: m.Msg = (m.Drain if drain else m.Stop)(id=uuid.uuid4().hex[:12], deadline=deadline)
+            asyncio.get_running_loop().create_task(self._send(w, msg))
+        elif w.external or w.hello is None:
+            # no control channel (yet): an external command, or a worker still booting
             self._signal(w, signal.SIGTERM)
 
     def _stop_progress(self, now: float) -> None:
         for slot in self.slots.values():
-            if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED):
+            if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED, S.DRAINED):
                 slot.state = S.STOPPED
 
     def healthy_slots(self) -> list[int]:

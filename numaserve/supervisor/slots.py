@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from numaserve.control.messages import Placement, Stats
 from numaserve.placement import SlotPlan
@@ -18,6 +19,8 @@ BACKOFF = "backoff"        # waiting to restart after an exit
 FAILED = "failed"          # crash loop or boot failure: not restarted automatically
 STOPPING = "stopping"      # asked to stop
 STOPPED = "stopped"
+DRAINING = "draining"      # operator drain in progress: no new connections, in-flight finishing
+DRAINED = "drained"        # taken out of service by the operator: listener kept, no worker
 
 
 @dataclass
@@ -42,6 +45,11 @@ class WorkerProc:
     kill_sent: float | None = None
     kill_reason: str | None = None      # set when *we* decided it must die (hang, boot timeout)
     goodbye: str | None = None
+    stop_deadline: float = 0.0          # seconds it was given to finish (Stop/Drain)
+    exit_code: int | None = None
+    exit_cause: str | None = None
+    ready_evt: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_evt: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def pid(self) -> int:
@@ -63,6 +71,23 @@ class SlotState:
     ever_ready: bool = False
     requests_before: int = 0            # requests served by earlier generations
     drained: bool = False               # operator drained: no new connections, no worker
+    incoming: WorkerProc | None = None  # next generation during a rolling replace
+    retiring: list[WorkerProc] = field(default_factory=list)  # old generations draining out
+    operation: str | None = None        # id of the operation working on this slot
+
+    def workers(self) -> Iterator[WorkerProc]:
+        """Every live-or-unreaped worker of the slot: current, incoming, retiring."""
+        if self.worker is not None:
+            yield self.worker
+        if self.incoming is not None:
+            yield self.incoming
+        yield from list(self.retiring)
+
+    def find(self, generation: int) -> WorkerProc | None:
+        for w in self.workers():
+            if w.generation == generation:
+                return w
+        return None
 
     def status(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
@@ -102,4 +127,9 @@ class SlotState:
             "last_heartbeat_s": round(now - w.last_beat, 3) if w and w.last_beat else None,
             "external": w.external if w else None,
             "drained": self.drained,
+            "incoming": {"pid": self.incoming.pid, "generation": self.incoming.generation,
+                         "ready": self.incoming.ready is not None} if self.incoming else None,
+            "retiring": [{"pid": r.pid, "generation": r.generation,
+                          "inflight": r.stats.inflight if r.stats else None} for r in self.retiring],
+            "operation": self.operation,
         }

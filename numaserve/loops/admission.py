@@ -1,0 +1,692 @@
+"""L0: the worker's admission gate, a pure state machine plus a thin asyncio wrapper.
+
+Per request, in this order (FACTS-limits-leaks §9.2):
+1. deadline already passed → 504;
+2. token bucket (rate quota from the supervisor, burst 10 %) empty → 429 with
+   Retry-After = time to the next token;
+3. in-flight < limit = min(L1 limit, lease ceiling) → admitted at once;
+4. wait queue (bound 1 × limit) full → 503 at once;
+5. otherwise queued: FIFO, LIFO while CoDel reports a standing queue.
+At dequeue (a permit freed) a waiter is shed with 503 when CoDel is
+overloaded and it waited > slough (2 × target), and with 504 when its deadline
+passed; a waiter also expires after ``max_wait`` (2 × target) or when its
+deadline minus the baseline service time is reached.  Overload replies carry
+``Retry-After = clamp(ceil(queue_len/throughput + U(0,1)), 1, 30)``.
+
+The machine never reads a clock and owns no futures: every call takes ``now``
+and returns decisions (``Admit``/``Queued``/``Reject``, ``Grant``/``Shed``)
+for the caller to act on.  ``AdmissionGate`` applies them to asyncio futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Union
+
+import msgspec
+
+from numaserve.loops.gradient import GradientController, L1Outcome
+from numaserve.loops.trend import quantile
+
+__all__ = [
+    "Admit",
+    "AdmissionGate",
+    "AdmissionMachine",
+    "AdmissionSettings",
+    "CoDel",
+    "GateStats",
+    "Grant",
+    "Outcome",
+    "Permit",
+    "Queued",
+    "Reject",
+    "Rejected",
+    "Shed",
+    "Ticket",
+    "TokenBucket",
+]
+
+Outcome = Literal["ok", "dropped", "ignored", "bad_request"]
+_L1_OUTCOME: dict[str, L1Outcome] = {"ok": "ok", "dropped": "dropped", "ignored": "ignored", "bad_request": "ignored"}
+
+
+class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The worker-side L0 gate (FACTS-limits-leaks §9.2)."""
+
+    queue_factor: float = 1.0            # wait-queue bound = ceil(factor × limit)
+    queue_max: int = 4096                # absolute bound of the wait queue
+    lifo_when_overloaded: bool = True
+    codel_interval_s: float = 0.1
+    codel_target_fraction: float = 0.25  # target = clamp(fraction × baseline p50, min, max)
+    codel_target_min_s: float = 0.005
+    codel_target_max_s: float = 0.1
+    slough_factor: float = 2.0           # shed waiters older than factor × target while overloaded
+    max_wait_factor: float = 2.0         # a waiter leaves after factor × target (0: no limit)
+    burst_fraction: float = 0.1          # token-bucket burst when the supervisor sends none
+    retry_after_min_s: int = 1
+    retry_after_max_s: int = 30
+    static_limit: int = 0                # in-flight limit without an L1 controller (0: ceiling only)
+    throughput_tau_s: float = 2.0        # smoothing of the completion rate (Retry-After)
+    baseline_window_s: float = 1.0       # fallback baseline without L1: min over windows of p50
+    baseline_windows: int = 60
+
+    def __post_init__(self) -> None:
+        if self.queue_factor < 0 or self.queue_max < 0 or self.codel_interval_s <= 0:
+            raise ValueError("queue_factor, queue_max ≥ 0 and codel_interval_s > 0 required")
+        if not 0 < self.codel_target_min_s <= self.codel_target_max_s:
+            raise ValueError("need 0 < codel_target_min_s ≤ codel_target_max_s")
+        if not 1 <= self.retry_after_min_s <= self.retry_after_max_s:
+            raise ValueError("need 1 ≤ retry_after_min_s ≤ retry_after_max_s")
+
+
+# --- building blocks -------------------------------------------------------------------
+
+
+class TokenBucket:
+    """Rate quota: at most ``rate × t + burst`` takes over any interval of length t.
+
+    ``rate <= 0`` means unlimited.  Starts full.
+    """
+
+    __slots__ = ("rate", "burst", "tokens", "_t")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = float(rate)
+        self.burst = max(1.0, float(burst))
+        self.tokens = self.burst
+        self._t = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:
+            self.tokens = min(self.burst, self.tokens + (now - self._t) * self.rate)
+            self._t = now
+
+    def set(self, now: float, rate: float, burst: float) -> None:
+        """Change rate/burst, keeping earned tokens up to the new burst."""
+        self._refill(now)
+        self.rate = float(rate)
+        self.burst = max(1.0, float(burst))
+        self.tokens = min(self.tokens, self.burst)
+
+    def try_take(self, now: float, n: float = 1.0) -> bool:
+        if self.rate <= 0:
+            return True
+        self._refill(now)
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
+    def wait_time(self, now: float, n: float = 1.0) -> float:
+        """Seconds until ``n`` tokens are available (0 if now)."""
+        if self.rate <= 0:
+            return 0.0
+        self._refill(now)
+        return max(0.0, (n - self.tokens) / self.rate)
+
+
+class CoDel:
+    """folly's CoDel: overloaded when the minimum queue delay of the last interval exceeded target.
+
+    While overloaded, a waiter older than ``slough = factor × target`` is shed
+    (folly: works better than dropping ever more often).
+    """
+
+    __slots__ = ("interval", "target", "slough_factor", "overloaded", "_min_delay", "_interval_end", "_reset")
+
+    def __init__(self, interval: float, target: float, slough_factor: float, now: float) -> None:
+        self.interval = interval
+        self.target = target
+        self.slough_factor = slough_factor
+        self.overloaded = False
+        self._min_delay = 0.0
+        self._interval_end = now + interval
+        self._reset = True
+
+    @property
+    def slough(self) -> float:
+        return self.slough_factor * self.target
+
+    def observe(self, now: float, delay: float) -> bool:
+        """Record a dequeue after ``delay`` seconds in queue; True = shed it."""
+        if now > self._interval_end and not self._reset:
+            self.overloaded = self._min_delay > self.target
+            self._reset = True
+            self._interval_end = now + self.interval
+        if self._reset:
+            self._min_delay = delay
+            self._reset = False
+        elif delay < self._min_delay:
+            self._min_delay = delay
+        return self.overloaded and delay > self.slough
+
+    def load(self) -> float:
+        """folly getLoad(): 0..100, min delay relative to slough."""
+        return min(100.0, 100.0 * self._min_delay / self.slough) if self.slough > 0 else 0.0
+
+
+class _Rate:
+    """Exponentially smoothed event rate (events per second)."""
+
+    __slots__ = ("tau", "value", "_t")
+
+    def __init__(self, tau: float, now: float) -> None:
+        self.tau = tau
+        self.value = 0.0
+        self._t = now
+
+    def _decay(self, now: float) -> None:
+        if now > self._t:
+            self.value *= math.exp(-(now - self._t) / self.tau)
+            self._t = now
+
+    def add(self, now: float, n: float = 1.0) -> None:
+        self._decay(now)
+        self.value += n / self.tau
+
+    def get(self, now: float) -> float:
+        self._decay(now)
+        return self.value
+
+
+# --- decisions ----------------------------------------------------------------------------
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class Permit:
+    """An admitted request.  Set ``outcome`` before releasing if the handler knows it."""
+
+    granted_at: float
+    inflight_at_start: int
+    enqueued_at: float
+    deadline: float | None = None
+    outcome: Outcome = "ok"
+    released: bool = False
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def queue_s(self) -> float:
+        return self.granted_at - self.enqueued_at
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """A queued request; ``expires_at`` is when it leaves the queue unserved."""
+
+    enqueued_at: float
+    deadline: float | None
+    expires_at: float
+    expiry_status: int  # 503 (max wait) or 504 (deadline)
+    id: int = field(default_factory=lambda: next(_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    permit: Permit
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """An answer without service.  ``retry_after`` in whole seconds (None for 504)."""
+
+    status: int           # 429, 503, 504
+    retry_after: int | None
+    reason: str           # quota, queue_full, codel, max_wait, deadline, limit_zero
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    ticket: Ticket
+    permit: Permit
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    ticket: Ticket
+    reject: Reject
+
+
+Decision = Union[Grant, Shed]
+
+
+class GateStats(msgspec.Struct, kw_only=True):
+    """Counters (cumulative) and current state, for the worker's Stats message."""
+
+    epoch: int
+    limit: int
+    l1_limit: float | None
+    ceiling: int | None
+    lease_expired: bool
+    rate: float
+    burst: float
+    inflight: int
+    queued: int
+    max_inflight: int               # since the previous snapshot(reset_max=True)
+    admitted: int
+    admitted_immediately: int
+    completed: int
+    ok: int
+    status_400: int
+    status_429: int
+    status_500: int
+    status_503: int
+    status_504: int                 # deadline at admission/dequeue + handler timeouts
+    shed: dict[str, int]            # 503/504/429 by reason
+    codel_overloaded: bool
+    codel_target_s: float
+    baseline_s: float | None
+    throughput: float               # completions per second (smoothed)
+    probing: bool
+
+
+# --- the machine -----------------------------------------------------------------------------
+
+
+class AdmissionMachine:
+    """The pure L0 gate; see the module docstring for the order of checks."""
+
+    def __init__(self, settings: AdmissionSettings, now: float, controller: GradientController | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.s = settings
+        self.controller = controller
+        self._rng = rng or random.Random()
+        self.epoch = 0
+        self._ceiling: int | None = None
+        self._lease_expiry: float | None = None
+        self._safe: int | None = None
+        self._bucket = TokenBucket(0.0, 1.0, now)
+        self._codel = CoDel(settings.codel_interval_s, settings.codel_target_min_s, settings.slough_factor, now)
+        self._throughput = _Rate(settings.throughput_tau_s, now)
+        self._queue: deque[Ticket] = deque()
+        self._live: set[int] = set()
+        self.inflight = 0
+        self._max_inflight = 0
+        self._external_baseline: float | None = None
+        self._bl_start = now
+        self._bl_samples: list[float] = []
+        self._bl_p50s: deque[float] = deque(maxlen=max(1, settings.baseline_windows))
+        self._now = now
+        c: dict[str, int] = dict.fromkeys(
+            ("admitted", "admitted_immediately", "completed", "ok", "400", "429", "500", "503", "504"), 0)
+        self._c = c
+        self._shed: dict[str, int] = {}
+
+    # --- limits ------------------------------------------------------------------------------
+
+    def set_limits(self, now: float, epoch: int, *, rate: float | None = None, burst: float | None = None,
+                   concurrency: int | None = None, lease_expiry: float | None = None,
+                   safe_concurrency: int | None = None) -> bool:
+        """Apply the supervisor's settings; False (ignored) if ``epoch`` is older than the current one.
+
+        ``concurrency`` is the lease ceiling (None: none), valid until
+        ``lease_expiry``; afterwards ``safe_concurrency`` (default: the last
+        ceiling) applies, never "unlimited".  The same epoch again renews the
+        lease.  ``rate`` None/0 = no quota; ``burst`` None = 10 % of rate.
+        """
+        if epoch < self.epoch:
+            return False
+        self.epoch = epoch
+        r = float(rate or 0.0)
+        b = burst if burst is not None else max(1.0, self.s.burst_fraction * r)
+        self._bucket.set(now, r, b)
+        self._ceiling = None if concurrency is None else max(0, int(concurrency))
+        self._lease_expiry = lease_expiry
+        self._safe = safe_concurrency
+        return True
+
+    def set_baseline(self, service_p50_s: float | None) -> None:
+        """Baseline service time for the CoDel target when there is no L1 controller."""
+        self._external_baseline = service_p50_s
+
+    def baseline_s(self) -> float | None:
+        """Unloaded service p50: from the L1 probe, else the given one, else min of window p50s."""
+        c = self.controller
+        if c is not None and c.baseline_s is not None:
+            return c.baseline_s
+        if self._external_baseline is not None:
+            return self._external_baseline
+        return min(self._bl_p50s) if self._bl_p50s else None
+
+    def ceiling(self, now: float) -> int | None:
+        """The lease ceiling in force at ``now`` (the safe value once the lease expired)."""
+        if self._lease_expiry is not None and now > self._lease_expiry:
+            return self._safe if self._safe is not None else self._ceiling
+        return self._ceiling
+
+    def limit(self, now: float) -> int:
+        """In-flight limit = min(L1 limit, lease ceiling); a huge number if neither exists."""
+        lim: float = math.inf
+        if self.controller is not None:
+            lim = self.controller.limit
+        elif self.s.static_limit > 0:
+            lim = float(self.s.static_limit)
+        ceil = self.ceiling(now)
+        if ceil is not None:
+            lim = min(lim, float(ceil))
+        return 1 << 30 if math.isinf(lim) else max(0, int(lim))
+
+    def _queue_bound(self, now: float) -> int:
+        lim: float
+        if self.controller is not None:
+            lim = max(self.controller.nominal_limit, self.controller.limit)
+            ceil = self.ceiling(now)
+            if ceil is not None:
+                lim = min(lim, float(ceil))
+        else:
+            lim = float(min(self.limit(now), self.s.queue_max))
+        return min(self.s.queue_max, math.ceil(self.s.queue_factor * lim))
+
+    def target_s(self) -> float:
+        base = self.baseline_s()
+        t = self.s.codel_target_min_s if base is None else self.s.codel_target_fraction * base
+        return min(max(t, self.s.codel_target_min_s), self.s.codel_target_max_s)
+
+    # --- per request ----------------------------------------------------------------------------
+
+    def try_admit(self, now: float, deadline: float | None = None) -> Admit | Queued | Reject:
+        """Decide at once: admitted, queued, or rejected (never waits to reject).
+
+        After ``Queued`` call ``poll(now)``: a waiter may be grantable at once
+        (e.g. the limit just rose while others were queued).
+        """
+        self._advance(now)
+        if deadline is not None and now >= deadline:
+            return self._reject(504, "deadline")
+        if not self._bucket.try_take(now):
+            wait = self._bucket.wait_time(now)
+            return self._reject(429, "quota", retry_after=self._clamp_retry(math.ceil(wait)))
+        limit = self.limit(now)
+        if self.inflight < limit and not self._queue:
+            self._codel.observe(now, 0.0)
+            self._c["admitted_immediately"] += 1
+            return Admit(self._grant_permit(now, now, deadline))
+        if limit <= 0:
+            return self._reject(503, "limit_zero", retry_after=self._overload_retry(now))
+        if len(self._queue) >= self._queue_bound(now):
+            return self._reject(503, "queue_full", retry_after=self._overload_retry(now))
+        target = self.target_s()
+        expires, status = math.inf, 503
+        if self.s.max_wait_factor > 0:
+            expires = now + self.s.max_wait_factor * target
+        if deadline is not None:
+            base = self.baseline_s() or 0.0
+            if deadline - base < expires:
+                expires, status = max(now, deadline - base), 504
+        ticket = Ticket(enqueued_at=now, deadline=deadline, expires_at=expires, expiry_status=status)
+        self._queue.append(ticket)
+        self._live.add(ticket.id)
+        return Queued(ticket)
+
+    def on_dequeue_check(self, now: float, enqueued_at: float, deadline: float | None = None) -> Reject | None:
+        """Whether a waiter leaving the queue now may run (None) or is shed (Reject).
+
+        Feeds CoDel with its queue delay.
+        """
+        if deadline is not None and now >= deadline:
+            self._codel.observe(now, now - enqueued_at)
+            return self._reject(504, "deadline")
+        if self._codel.observe(now, now - enqueued_at):
+            return self._reject(503, "codel", retry_after=self._overload_retry(now))
+        return None
+
+    def release(self, now: float, permit: Permit, outcome: Outcome | None = None) -> list[Decision]:
+        """A request finished: free its permit, feed L1, serve waiters.  Returns grants/sheds."""
+        if permit.released:
+            return []
+        permit.released = True
+        out = outcome or permit.outcome
+        self.inflight = max(0, self.inflight - 1)
+        service = max(0.0, now - permit.granted_at)
+        self._c["completed"] += 1
+        key = {"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}[out]
+        self._c[key] += 1
+        if out == "dropped":
+            self._shed["handler_timeout"] = self._shed.get("handler_timeout", 0) + 1
+        self._throughput.add(now)
+        if out == "ok":
+            self._baseline_sample(now, service)
+        if self.controller is not None:
+            self.controller.on_sample(now, service, permit.inflight_at_start, _L1_OUTCOME[out],
+                                      started_at=permit.granted_at)
+        return self.poll(now)
+
+    def cancel(self, now: float, ticket: Ticket) -> bool:
+        """The waiter went away (client closed, task cancelled); True if it was still queued."""
+        if ticket.id not in self._live:
+            return False
+        self._live.discard(ticket.id)
+        try:
+            self._queue.remove(ticket)
+        except ValueError:
+            pass
+        return True
+
+    def expire(self, now: float, ticket: Ticket) -> Reject | None:
+        """The waiter's own timer fired: shed it (None if it was already granted or shed)."""
+        if not self.cancel(now, ticket):
+            return None
+        if ticket.expiry_status == 504:
+            return self._reject(504, "deadline")
+        return self._reject(503, "max_wait", retry_after=self._overload_retry(now))
+
+    def poll(self, now: float) -> list[Decision]:
+        """Time passes: update L1, shed expired waiters, grant free permits.  Call on a timer too."""
+        self._advance(now)
+        out: list[Decision] = []
+        if self._queue:
+            # Expire waiters whose time is up (the queue is short: bounded by the limit).
+            expired = [t for t in self._queue if t.expires_at <= now]
+            for t in expired:
+                rej = self.expire(now, t)
+                if rej is not None:
+                    out.append(Shed(t, rej))
+        while self._queue and self.inflight < self.limit(now):
+            lifo = self.s.lifo_when_overloaded and self._codel.overloaded
+            t = self._queue.pop() if lifo else self._queue.popleft()
+            self._live.discard(t.id)
+            rej = self.on_dequeue_check(now, t.enqueued_at, t.deadline)
+            if rej is not None:
+                out.append(Shed(t, rej))
+                continue
+            out.append(Grant(t, self._grant_permit(now, t.enqueued_at, t.deadline)))
+        return out
+
+    def next_expiry(self) -> float | None:
+        """Earliest time a waiter expires (for a wrapper's timer)."""
+        return min((t.expires_at for t in self._queue), default=None)
+
+    # --- stats -------------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def codel(self) -> CoDel:
+        return self._codel
+
+    def snapshot(self, now: float, *, reset_max: bool = False) -> GateStats:
+        c = self._c
+        ctl = self.controller
+        ceil = self.ceiling(now)
+        st = GateStats(
+            epoch=self.epoch, limit=self.limit(now), l1_limit=None if ctl is None else ctl.limit,
+            ceiling=ceil, lease_expired=self._lease_expiry is not None and now > self._lease_expiry,
+            rate=self._bucket.rate, burst=self._bucket.burst, inflight=self.inflight, queued=len(self._queue),
+            max_inflight=self._max_inflight, admitted=c["admitted"], admitted_immediately=c["admitted_immediately"],
+            completed=c["completed"], ok=c["ok"], status_400=c["400"], status_429=c["429"], status_500=c["500"],
+            status_503=c["503"], status_504=c["504"], shed=dict(self._shed),
+            codel_overloaded=self._codel.overloaded, codel_target_s=self._codel.target,
+            baseline_s=self.baseline_s(), throughput=self._throughput.get(now),
+            probing=bool(ctl and ctl.probing),
+        )
+        if reset_max:
+            self._max_inflight = self.inflight
+        return st
+
+    # --- internals ------------------------------------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        self._now = now
+        self._codel.target = self.target_s()
+        if self.controller is not None:
+            self.controller.update(now, overloaded=self._codel.overloaded)
+
+    def _grant_permit(self, now: float, enqueued_at: float, deadline: float | None) -> Permit:
+        self.inflight += 1
+        if self.inflight > self._max_inflight:
+            self._max_inflight = self.inflight
+        self._c["admitted"] += 1
+        return Permit(granted_at=now, inflight_at_start=self.inflight, enqueued_at=enqueued_at, deadline=deadline)
+
+    def _reject(self, status: int, reason: str, retry_after: int | None = None) -> Reject:
+        self._c[str(status)] += 1
+        self._shed[reason] = self._shed.get(reason, 0) + 1
+        return Reject(status, retry_after, reason)
+
+    def _clamp_retry(self, seconds: float) -> int:
+        return int(min(max(seconds, self.s.retry_after_min_s), self.s.retry_after_max_s))
+
+    def _overload_retry(self, now: float) -> int:
+        tput = self._throughput.get(now)
+        drain = len(self._queue) / tput if tput > 0 else float(self.s.retry_after_max_s)
+        return self._clamp_retry(math.ceil(drain + self._rng.random()))
+
+    def _baseline_sample(self, now: float, service: float) -> None:
+        if self.controller is not None and self.controller.baseline_s is not None:
+            return
+        self._bl_samples.append(service)
+        if now - self._bl_start >= self.s.baseline_window_s:
+            if len(self._bl_samples) >= 10:
+                self._bl_p50s.append(quantile(sorted(self._bl_samples), 0.5))
+            self._bl_samples = []
+            self._bl_start = now
+
+
+# --- asyncio wrapper -------------------------------------------------------------------------------------
+
+
+class Rejected(Exception):
+    """Raised by ``AdmissionGate.admit`` instead of running the request."""
+
+    def __init__(self, reject: Reject) -> None:
+        super().__init__(f"{reject.status} {reject.reason}")
+        self.status = reject.status
+        self.retry_after = reject.retry_after
+        self.reason = reject.reason
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [] if self.retry_after is None else [(b"retry-after", str(self.retry_after).encode())]
+
+
+class AdmissionGate:
+    """asyncio face of ``AdmissionMachine``: ``async with gate.admit(deadline) as permit: ...``.
+
+    Raises ``Rejected`` (status, retry_after) without waiting when the machine
+    rejects; waits on a future when queued.  Exceptions in the body set the
+    outcome: ``TimeoutError`` and cancellation → "dropped" (504), anything
+    else → "ignored" (500); or set ``permit.outcome`` yourself.
+    Single event loop, no locks: every machine call happens on the loop.
+    """
+
+    def __init__(self, machine: AdmissionMachine, clock: Callable[[], float] = time.monotonic) -> None:
+        self.machine = machine
+        self.clock = clock
+        self._waiters: dict[int, asyncio.Future[Permit]] = {}
+
+    def _dispatch(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            fut = self._waiters.pop(d.ticket.id, None)
+            if fut is None or fut.done():
+                if isinstance(d, Grant):  # nobody is waiting for it any more: give it back
+                    self._dispatch(self.machine.release(self.clock(), d.permit, "ignored"))
+                continue
+            if isinstance(d, Grant):
+                fut.set_result(d.permit)
+            else:
+                fut.set_exception(Rejected(d.reject))
+
+    def set_limits(self, epoch: int, **kw: Any) -> bool:
+        """``AdmissionMachine.set_limits`` + wake waiters the new limit lets in."""
+        now = self.clock()
+        ok = self.machine.set_limits(now, epoch, **kw)
+        self._dispatch(self.machine.poll(now))
+        return ok
+
+    def tick(self) -> None:
+        """Call from a periodic task (e.g. every 50 ms): L1 windows, expiries, grants."""
+        self._dispatch(self.machine.poll(self.clock()))
+
+    async def acquire(self, deadline: float | None = None) -> Permit:
+        now = self.clock()
+        d = self.machine.try_admit(now, deadline)
+        if isinstance(d, Reject):
+            raise Rejected(d)
+        if isinstance(d, Admit):
+            return d.permit
+        ticket = d.ticket
+        fut: asyncio.Future[Permit] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.id] = fut
+        self._dispatch(self.machine.poll(now))
+        timeout = None if math.isinf(ticket.expires_at) else max(0.0, ticket.expires_at - now)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            if fut.done():
+                return fut.result()
+            self._waiters.pop(ticket.id, None)
+            rej = self.machine.expire(self.clock(), ticket)
+            raise Rejected(rej or Reject(503, "max_wait", self.machine.s.retry_after_min_s)) from None
+        except asyncio.CancelledError:
+            self._waiters.pop(ticket.id, None)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result(), "ignored")
+            else:
+                self.machine.cancel(self.clock(), ticket)
+            raise
+
+    def release(self, permit: Permit, outcome: Outcome | None = None) -> None:
+        self._dispatch(self.machine.release(self.clock(), permit, outcome))
+
+    def admit(self, deadline: float | None = None) -> "_Admission":
+        return _Admission(self, deadline)
+
+
+class _Admission:
+    __slots__ = ("gate", "deadline", "permit")
+
+    def __init__(self, gate: AdmissionGate, deadline: float | None) -> None:
+        self.gate = gate
+        self.deadline = deadline
+        self.permit: Permit | None = None
+
+    async def __aenter__(self) -> Permit:
+        self.permit = await self.gate.acquire(self.deadline)
+        return self.permit
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        permit = self.permit
+        if permit is None:
+            return
+        outcome: Outcome = permit.outcome
+        if exc_type is not None:
+            if issubclass(exc_type, (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError)):
+                outcome = "dropped"
+            else:
+                outcome = "ignored"
+        self.gate.release(permit, outcome)
+
