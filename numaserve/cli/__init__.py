@@ -25,6 +25,13 @@ COMMANDS: dict[str, str] = {
     "start": "numaserve.cli.start_cmd:start",
     "status": "numaserve.cli.ops_cmd:status",
     "stop": "numaserve.cli.ops_cmd:stop",
+    "drain": "numaserve.cli.ops_cmd:drain",
+    "undrain": "numaserve.cli.ops_cmd:undrain",
+    "restart": "numaserve.cli.ops_cmd:restart",
+    "reload": "numaserve.cli.ops_cmd:reload",
+    "operation": "numaserve.cli.ops_cmd:operation",
+    "top": "numaserve.cli.ops_cmd:top",
+    "ops": "numaserve.cli.ops_cmd:ops",
     "irq": "numaserve.cli.irq_cmd:irq",
     "doctor": "numaserve.cli.doctor_cmd:doctor",
 }

@@ -1,20 +1,51 @@
-"""Ops commands that talk to a running supervisor over its ops socket."""
+"""Ops commands that talk to a running supervisor over its ops socket.
+
+Every command names where it looked when the supervisor cannot be reached,
+and long operations (drain, reload, restart) print progress with ``--wait``
+and exit non-zero when the operation failed or timed out with work left.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
 from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
 from numaserve.cpulist import format_list
+from numaserve.errors import NumaserveError
 
-runtime_dir_option = click.option(
-    "--runtime-dir", default=None, help="Runtime directory of the supervisor (default: as `start` resolves it)."
-)
-timeout_option = click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for a reply.")
+
+def ops_target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--config/--runtime-dir/--endpoint/--curve-*/--timeout, collapsed into ``target``."""
+
+    @config_option
+    @click.option("--runtime-dir", default=None, help="Runtime directory of the supervisor (default: as `start` resolves it).")
+    @click.option("--endpoint", default=None, help="Remote supervisor: tcp://HOST:PORT (CURVE; see ops.tcp_endpoint).")
+    @click.option("--curve-key", default=None, type=click.Path(dir_okay=False), help="Your CURVE certificate (secret).")
+    @click.option("--curve-server-key", default=None, type=click.Path(dir_okay=False),
+                  help="The supervisor's public CURVE certificate.")
+    @click.option("--timeout", "reply_timeout", type=float, default=5.0, show_default=True,
+                  help="Seconds to wait for a reply.")
+    @functools.wraps(fn)
+    def wrapper(config_path: str | None, runtime_dir: str | None, endpoint: str | None, curve_key: str | None,
+                curve_server_key: str | None, reply_timeout: float, **kw: Any) -> Any:
+        from numaserve.control.client import OpsTarget
+
+        target = OpsTarget(
+            runtime_dir=None if endpoint else _runtime(config_path, runtime_dir),
+            endpoint=endpoint,
+            curve_key=curve_key,
+            curve_server_key=curve_server_key,
+        )
+        return fn(target=target, reply_timeout=reply_timeout, **kw)
+
+    return wrapper
 
 
 def _runtime(config_path: str | None, runtime_dir: str | None) -> Path:
@@ -24,6 +55,20 @@ def _runtime(config_path: str | None, runtime_dir: str | None) -> Path:
         return Path(runtime_dir)
     cfg = config_from_flags(config_path)
     return resolve_runtime_dir(cfg.supervisor.runtime_dir)
+
+
+def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
+    from numaserve.control.client import OpsError, ops_call
+
+    try:
+        return ops_call(target, verb, args, timeout=timeout)
+    except OpsError as e:
+        if target.runtime_dir is not None and not target.readonly and "permission denied" in str(e):
+            # members of ops.readonly_group may still read through ops-ro.sock
+            ro = type(target)(runtime_dir=target.runtime_dir, readonly=True)
+            if verb in ("status", "operation") and (ro.runtime_dir / "ops-ro.sock").exists():
+                return ops_call(ro, verb, args, timeout=timeout)
+        raise
 
 
 def _mb(n: int | None) -> str:
@@ -36,9 +81,10 @@ def _render_status(data: dict[str, Any]) -> None:
 
     sup = data["supervisor"]
     console = Console()
+    steer = sup.get("steering") or {}
     console.print(
         f"supervisor pid {sup['pid']}  state [bold]{sup['state']}[/]  up {sup['uptime_s']:.0f}s  "
-        f"listening {', '.join(sup['listeners'])}"
+        f"listening {', '.join(sup['listeners'])}  steering {steer.get('mode', '-')}"
     )
     t = Table(show_edge=False, header_style="bold")
     for col in ("slot", "node", "pid", "gen", "state", "cpus", "mempolicy", "binding", "rss", "up",
@@ -58,18 +104,18 @@ def _render_status(data: dict[str, Any]) -> None:
     for s in data["slots"]:
         for p in s.get("binding_problems") or []:
             console.print(f"[red]slot {s['slot']}: {p}[/]")
+    for op in data.get("operations") or []:
+        if op["state"] == "running":
+            last = op["steps"][-1]["message"] if op["steps"] else ""
+            console.print(f"operation {op['id']} {op['kind']} running {op['elapsed_s']:.0f}s: {last}")
 
 
 @click.command("status")
-@config_option
-@runtime_dir_option
-@timeout_option
+@ops_target_options
 @click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
-def status(config_path: str | None, runtime_dir: str | None, timeout: float, as_json: bool | None) -> None:
+def status(target: Any, reply_timeout: float, as_json: bool | None) -> None:
     """Show every slot of the running supervisor."""
-    from numaserve.control.client import ops_call
-
-    data = ops_call(_runtime(config_path, runtime_dir), "status", timeout=timeout)
+    data = _call(target, "status", timeout=reply_timeout)
     if want_json(as_json):
         echo_json(data)
     else:
@@ -77,21 +123,16 @@ def status(config_path: str | None, runtime_dir: str | None, timeout: float, as_
 
 
 @click.command("stop")
-@config_option
-@runtime_dir_option
-@timeout_option
+@ops_target_options
 @click.option("--fast", is_flag=True, help="Kill workers at once instead of letting in-flight requests finish.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the supervisor has exited.")
 @click.option("--wait-timeout", type=float, default=60.0, show_default=True)
-def stop(config_path: str | None, runtime_dir: str | None, timeout: float, fast: bool, wait: bool, wait_timeout: float) -> None:
+def stop(target: Any, reply_timeout: float, fast: bool, wait: bool, wait_timeout: float) -> None:
     """Stop the running supervisor (graceful unless --fast)."""
-    from numaserve.control.client import ops_call
-    from numaserve.errors import NumaserveError
     from numaserve.runtime import read_pid
 
-    rt = _runtime(config_path, runtime_dir)
-    pid = read_pid(rt)
-    ops_call(rt, "stop", {"fast": fast}, timeout=timeout)
+    pid = read_pid(target.runtime_dir) if target.runtime_dir else None
+    _call(target, "stop", {"fast": fast}, timeout=reply_timeout)
     if not wait or pid is None:
         click.echo("stopping")
         return
@@ -113,9 +154,306 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # a zombie child of ours would count as alive; the supervisor is not our child
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ------------------------------------------------------------- operations
+
+
+def _slot_args(slot: int | None, node: int | None) -> dict[str, Any]:
+    if slot is not None and node is not None:
+        raise click.UsageError("give --slot or --node, not both")
+    args: dict[str, Any] = {}
+    if slot is not None:
+        args["slot"] = slot
+    if node is not None:
+        args["node"] = node
+    return args
+
+
+def follow(target: Any, result: dict[str, Any], *, wait: bool, as_json: bool | None, reply_timeout: float,
+           limit: float | None) -> None:
+    """Print an operation's progress until it ends (with --wait); exit 1 when it failed."""
+    op = result["operation"]
+    quiet = want_json(as_json)
+    if not quiet:
+        click.echo(f"operation {op['id']} ({op['kind']}) started")
+    if not wait:
+        if quiet:
+            echo_json(result)
+        return
+    seen = 0
+    deadline = None if limit is None else time.monotonic() + limit
+    while True:
+        for step in op["steps"][seen:]:
+            if not quiet:
+                click.echo(f"  +{step['t']:7.2f}s  {step['message']}")
+        seen = len(op["steps"])
+        if op["state"] != "running":
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise NumaserveError(f"operation {op['id']} still running after {limit:g}s")
+        time.sleep(0.25)
+        op = _call(target, "operation", {"id": op["id"]}, timeout=reply_timeout)["operation"]
+    if quiet:
+        echo_json({"operation": op, "state": op["state"]})
+    if op["state"] != "succeeded":
+        raise NumaserveError(f"{op['kind']} {op['id']} failed: {op['result']}")
+    if not quiet:
+        click.echo(f"{op['kind']} {op['id']} succeeded: {op['result']}")
+
+
+wait_option = click.option("--wait/--no-wait", default=False, help="Follow progress until the operation ends.")
+json_option = click.option("--json/--no-json", "as_json", default=None)
+
+
+@click.command("drain")
+@ops_target_options
+@click.option("--slot", type=int, default=None, help="Slot to take out of service.")
+@click.option("--node", type=int, default=None, help="Every slot of this NUMA node.")
+@click.option("--drain-timeout", "drain_timeout", type=float, default=None,
+              help="Seconds in-flight and streaming requests get (default ops.drain_timeout).")
+@wait_option
+@json_option
+def drain(target: Any, reply_timeout: float, slot: int | None, node: int | None, drain_timeout: float | None,
+          wait: bool, as_json: bool | None) -> None:
+    """Stop new connections reaching slots, let their work finish, stop their workers."""
+    args = _slot_args(slot, node)
+    if not args:
+        raise click.UsageError("name the slots: --slot S or --node N")
+    if drain_timeout is not None:
+        args["timeout"] = drain_timeout
+    res = _call(target, "drain", args, timeout=reply_timeout)
+    follow(target, res, wait=wait, as_json=as_json, reply_timeout=reply_timeout,
+           limit=(drain_timeout or 3600) + 30)
+
+
+@click.command("undrain")
+@ops_target_options
+@click.option("--slot", type=int, default=None)
+@click.option("--node", type=int, default=None)
+@wait_option
+@json_option
+def undrain(target: Any, reply_timeout: float, slot: int | None, node: int | None, wait: bool,
+            as_json: bool | None) -> None:
+    """Put drained slots back into service (every drained slot when none is named)."""
+    res = _call(target, "undrain", _slot_args(slot, node) or {"all": True}, timeout=reply_timeout)
+    follow(target, res, wait=wait, as_json=as_json, reply_timeout=reply_timeout, limit=None)
+
+
+@click.command("restart")
+@ops_target_options
+@click.option("--slot", type=int, default=None)
+@click.option("--node", type=int, default=None)
+@click.option("--drain-timeout", "drain_timeout", type=float, default=None)
+@wait_option
+@json_option
+def restart(target: Any, reply_timeout: float, slot: int | None, node: int | None, drain_timeout: float | None,
+            wait: bool, as_json: bool | None) -> None:
+    """Replace workers one at a time: new one ready first, then the old one drains."""
+    args = _slot_args(slot, node)
+    if not args:
+        raise click.UsageError("name the slots: --slot S or --node N (or use `numaserve reload` for all)")
+    if drain_timeout is not None:
+        args["timeout"] = drain_timeout
+    res = _call(target, "restart", args, timeout=reply_timeout)
+    follow(target, res, wait=wait, as_json=as_json, reply_timeout=reply_timeout, limit=None)
+
+
+@click.command("reload")
+@ops_target_options
+@click.option("--drain-timeout", "drain_timeout", type=float, default=None)
+@wait_option
+@json_option
+def reload(target: Any, reply_timeout: float, drain_timeout: float | None, wait: bool,
+           as_json: bool | None) -> None:
+    """Re-read config and app code, then roll every slot onto them (also: SIGHUP)."""
+    args: dict[str, Any] = {}
+    if drain_timeout is not None:
+        args["timeout"] = drain_timeout
+    res = _call(target, "reload", args, timeout=reply_timeout)
+    follow(target, res, wait=wait, as_json=as_json, reply_timeout=reply_timeout, limit=None)
+
+
+@click.command("operation")
+@ops_target_options
+@click.argument("op_id", required=False)
+@wait_option
+@json_option
+def operation(target: Any, reply_timeout: float, op_id: str | None, wait: bool, as_json: bool | None) -> None:
+    """Show one operation (or the recent ones), optionally following it."""
+    res = _call(target, "operation", {"id": op_id} if op_id else {}, timeout=reply_timeout)
+    if op_id:
+        follow(target, res, wait=wait, as_json=as_json, reply_timeout=reply_timeout, limit=None)
+        return
+    if want_json(as_json):
+        echo_json(res)
+        return
+    for op in res["operations"]:
+        click.echo(f"{op['id']}  {op['kind']:8} {op['state']:10} {op['elapsed_s']:8.1f}s  {op['result']}")
+
+
+# -------------------------------------------------------------------- top
+
+
+@click.command("top")
+@click.option("--runtime-dir", default=None)
+@config_option
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh interval (seconds).")
+@click.option("--iterations", type=int, default=0, help="Stop after N refreshes (0: until Ctrl-C).")
+@json_option
+def top(runtime_dir: str | None, config_path: str | None, interval: float, iterations: int,
+        as_json: bool | None) -> None:
+    """Live per-slot view: state, requests/s, latency, in-flight, RSS and its trend.
+
+    Fed by the supervisor's ZeroMQ PUB stream (events.sock, topic "stats"),
+    which any other tool can subscribe to as well.
+    """
+    import zmq
+
+    from numaserve.runtime import EVENTS_SOCKET
+
+    rt = _runtime(config_path, runtime_dir)
+    path = rt / EVENTS_SOCKET
+    if not path.exists():
+        raise NumaserveError(f"no supervisor is running with runtime directory {rt} ({path} does not exist)")
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"stats")
+    sub.setsockopt(zmq.RCVTIMEO, int(max(5.0, 3 * interval) * 1000))
+    sub.connect(f"ipc://{path}")
+    view = TopView()
+    n = 0
+    live = None
+    json_out = as_json if as_json is not None else not sys.stdout.isatty()
+    try:
+        if not json_out:
+            from rich.live import Live
+
+            live = Live(view.table(), refresh_per_second=4, screen=False)
+            live.start()
+        last = 0.0
+        while True:
+            try:
+                _, payload = sub.recv_multipart()
+            except zmq.Again:
+                raise NumaserveError(f"no stats from the supervisor on ipc://{path} (is it running?)") from None
+            data = json.loads(payload)
+            view.update(data)
+            if time.monotonic() - last < interval * 0.9:
+                continue
+            last = time.monotonic()
+            n += 1
+            if json_out:
+                click.echo(json.dumps(view.rows()))
+            elif live is not None:
+                live.update(view.table())
+            if iterations and n >= iterations:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+        sub.close(0)
+
+
+class TopView:
+    """Derives rates and trends from successive stats snapshots (pure)."""
+
+    def __init__(self) -> None:
+        self.prev: dict[tuple[int, int], tuple[float, int]] = {}
+        self.rss_hist: dict[int, list[tuple[float, int]]] = {}
+        self.data: dict[str, Any] = {"slots": []}
+        self.rates: dict[int, float] = {}
+
+    def update(self, data: dict[str, Any]) -> None:
+        ts = float(data.get("ts", time.time()))
+        for s in data.get("slots", []):
+            key = (s["slot"], s["generation"])
+            req = int(s.get("requests") or 0)
+            if key in self.prev:
+                t0, r0 = self.prev[key]
+                if ts > t0:
+                    self.rates[s["slot"]] = max(0.0, (req - r0) / (ts - t0))
+            self.prev[key] = (ts, req)
+            hist = self.rss_hist.setdefault(s["slot"], [])
+            hist.append((ts, int(s.get("rss_bytes") or 0)))
+            del hist[:-30]
+        self.data = data
+
+    def rss_trend(self, slot: int) -> float | None:
+        """RSS change in MB per minute over the recent window."""
+        hist = self.rss_hist.get(slot) or []
+        if len(hist) < 2 or hist[-1][0] - hist[0][0] < 1.0:
+            return None
+        (t0, r0), (t1, r1) = hist[0], hist[-1]
+        return (r1 - r0) / 1048576 / ((t1 - t0) / 60)
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self.data.get("slots", []):
+            lat = s.get("latency_ms") or {}
+            extra = s.get("limits") or {}
+            out.append({
+                "slot": s["slot"], "node": s["node"], "pid": s["pid"], "generation": s["generation"],
+                "state": s["state"], "rps": round(self.rates.get(s["slot"], 0.0), 1),
+                "p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "inflight": s.get("inflight"),
+                "queued": s.get("queued", 0), "shed": s.get("shed", 0), "rss_bytes": s.get("rss_bytes"),
+                "rss_trend_mb_min": None if self.rss_trend(s["slot"]) is None else round(self.rss_trend(s["slot"]), 2),
+                "limits": extra,
+            })
+        return out
+
+    def table(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title=f"numaserve top — {self.data.get('state', '?')}", header_style="bold")
+        for col in ("slot", "node", "pid", "gen", "state", "req/s", "p50 ms", "p99 ms", "inflight", "queued",
+                    "shed", "rss", "rss trend", "limit"):
+            t.add_column(col, justify="right" if col not in ("state",) else "left")
+        for r in self.rows():
+            trend = r["rss_trend_mb_min"]
+            lim = r["limits"].get("concurrency") if isinstance(r["limits"], dict) else None
+            t.add_row(
+                str(r["slot"]), str(r["node"]), str(r["pid"] or "-"), str(r["generation"]), r["state"],
+                f"{r['rps']:.1f}", _fmt(r["p50_ms"]), _fmt(r["p99_ms"]), str(r["inflight"] or 0),
+                str(r["queued"] or 0), str(r["shed"] or 0), _mb(r["rss_bytes"]),
+                "-" if trend is None else f"{trend:+.1f}M/min", "-" if lim is None else str(lim),
+            )
+        return t
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.1f}"
+
+
+# -------------------------------------------------------------------- keys
+
+
+@click.group("ops")
+def ops() -> None:
+    """Ops-plane utilities."""
+
+
+@ops.command("keygen")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="numaserve", show_default=True)
+def keygen(directory: str, name: str) -> None:
+    """Create a CURVE key pair (NAME.key public, NAME.key_secret secret) for remote ops."""
+    import os
+
+    import zmq.auth
+
+    from numaserve.runtime import tight_umask
+
+    with tight_umask():
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    click.echo(f"public: {public}\nsecret: {secret}")

@@ -105,7 +105,7 @@ def start(
     topo = discover(cfg.placement.sysfs_root, declared=cfg.placement.topology_file or None)
     plan = make_plan(topo, cfg.placement)
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))
-    sup = Supervisor(cfg, plan, runtime, config_path=config_path, topology=topo)
+    sup = Supervisor(cfg, plan, runtime, config_path=config_path, topology=topo, overrides=_flag_overrides(ctx, overrides))
     try:
         sup.open()
     except BaseException:
@@ -115,3 +115,12 @@ def start(
     if sup.fatal:
         click.echo(f"numaserve: error: {sup.fatal}", err=True)
     ctx.exit(code)
+
+
+def _flag_overrides(ctx: click.Context, overrides: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+    """The flags as config overrides, kept so a reload re-reads the file under the same flags."""
+    out = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in overrides.items()}
+    root = ctx.find_root()
+    if root.obj and root.obj.get("log_level"):
+        out.setdefault("log", {})["level"] = root.obj["log_level"]
+    return out

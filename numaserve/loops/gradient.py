@@ -48,6 +48,7 @@ class GradientSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     gradient_min: float = 0.5
     gradient_max: float = 2.0
     decrease_smoothing: float = 0.5      # weight of a decrease (1.0 while CoDel-overloaded)
+    headroom_min_gradient: float = 0.0   # add the sqrt(L) headroom only when g ≥ this
     drop_backoff: float = 0.9            # L ← 0.9·L on a 504 in the window (once per window)
     app_limited_ratio: float = 0.5       # no increase if window max in-flight < ratio × L
     growth_cap_factor: float = 5.0       # L ≤ factor × window max in-flight when increasing
@@ -242,7 +243,8 @@ class GradientController:
             g = min(max(target / sample, s.gradient_min), s.gradient_max) if sample > 0 else s.gradient_max
             self.last_gradient, self.last_sample_s = g, sample
             grown = old * g
-            grown += math.sqrt(grown)
+            if g >= s.headroom_min_gradient:
+                grown += math.sqrt(grown)
             if grown > old:
                 if self._win_max_inflight < s.app_limited_ratio * old:
                     new, self.last_reason = old, "app-limited"

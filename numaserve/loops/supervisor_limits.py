@@ -14,7 +14,8 @@ ceiling, rate, burst, lease) stamped with an epoch and who/why, to push as
   below 0.8 × SLO for 2 windows → +10 % per window until released.
 - **Vegas** (the documents' rule, ``mode = "vegas"``): node token-bucket rate,
   ``rtt − min_rtt`` < 5 ms → +10 %, > 20 ms → −25 %, else hold; ≥ 100 requests of
-  warm-up; 10 % burst.  ``vegas_scaled`` (default) compares the window mean
+  warm-up and per decision (``rtt`` = mean total latency of a window of ≥ 100
+  completions, merged over 3 s intervals until reached); 10 % burst.  ``vegas_scaled`` (default) compares the window mean
   with the minimum window mean of the last 10 min and scales the thresholds to
   ``max(5 ms, 0.1·base)`` / ``max(20 ms, 0.5·base)``, and does not increase
   while the admitted rate is below half the rate: the unscaled rule collapses
@@ -92,6 +93,7 @@ class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vegas_min_rps: float = 1.0
     vegas_max_rps: float = 1_000_000.0
     vegas_warmup_requests: int = 100
+    vegas_min_window_requests: int = 100  # a decision needs this many completions (windows merge until then)
     vegas_low_ms: float = 5.0
     vegas_high_ms: float = 20.0
     vegas_low_ratio: float = 0.1         # scaled: low = max(low_ms, ratio × base)
@@ -189,6 +191,10 @@ class LimitsLoop:
         self._seen = 0
         self._min_rtt: float | None = None
         self._means: deque[tuple[float, float]] = deque()
+        self._acc_n = 0          # Vegas window accumulated across L2 intervals
+        self._acc_sum = 0.0
+        self._acc_admitted = 0
+        self._acc_dur = 0.0
         # Overrides: None key = node
         self._overrides: dict[int | None, _Override] = {}
 
@@ -276,15 +282,24 @@ class LimitsLoop:
         if w.min_total_s is not None:
             self._min_rtt = w.min_total_s if self._min_rtt is None else min(self._min_rtt, w.min_total_s)
         if w.mean_total_s is not None and w.completed > 0:
-            self._means.append((now, w.mean_total_s))
+            self._acc_n += w.completed
+            self._acc_sum += w.mean_total_s * w.completed
+        self._acc_admitted += w.admitted
+        self._acc_dur += w.duration_s
+        if self._seen < s.vegas_warmup_requests:
+            return "vegas warm-up"
+        if self._acc_n < max(1, s.vegas_min_window_requests):
+            return f"vegas hold ({self._acc_n} samples in window)"
+        cur = self._acc_sum / self._acc_n
+        admitted_rate = self._acc_admitted / self._acc_dur if self._acc_dur > 0 else 0.0
+        completed_rate = self._acc_n / self._acc_dur if self._acc_dur > 0 else 0.0
+        self._acc_n, self._acc_sum, self._acc_admitted, self._acc_dur = 0, 0.0, 0, 0.0
+        self._means.append((now, cur))
         while self._means and now - self._means[0][0] > s.vegas_rebase_s:
             self._means.popleft()
-        if self._seen < s.vegas_warmup_requests or w.completed == 0 or w.mean_total_s is None:
-            return "vegas warm-up" if self._seen < s.vegas_warmup_requests else "vegas hold (no samples)"
         if self.rate is None:
-            self.rate = max(s.vegas_min_rps, w.completed / w.duration_s if w.duration_s > 0 else s.vegas_min_rps)
+            self.rate = max(s.vegas_min_rps, completed_rate)
             return f"vegas start {self.rate:.1f}/s"
-        cur = w.mean_total_s
         if s.vegas_scaled:
             base = min(m for _, m in self._means)
             low = max(s.vegas_low_ms / 1e3, s.vegas_low_ratio * base)
@@ -294,7 +309,6 @@ class LimitsLoop:
             low, high = s.vegas_low_ms / 1e3, s.vegas_high_ms / 1e3
         diff = cur - base
         if diff < low:
-            admitted_rate = w.admitted / w.duration_s if w.duration_s > 0 else 0.0
             if s.vegas_scaled and admitted_rate < s.vegas_app_limited_ratio * self.rate:
                 return "vegas hold (app-limited)"
             self.rate = min(s.vegas_max_rps, self.rate * (1 + s.vegas_increase))

@@ -45,6 +45,7 @@ from numaserve.supervisor import slots as S
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.notify import Notifier
+from numaserve.supervisor.operations import Operation, OperationFailed, Operations
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
 
@@ -86,10 +87,12 @@ def describe_exit(code: int | None) -> str:
 class Supervisor:
     def __init__(
         self, cfg: Config, plan: Plan, runtime: RuntimeDir, *, config_path: str | None = None,
-        topology: Topology | None = None,
+        topology: Topology | None = None, overrides: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.topology = topology
+        self.overrides = overrides or {}
+        self.operations = Operations(self)
         self.plan = plan
         self.runtime = runtime
         self.config_path = config_path
@@ -130,6 +133,7 @@ class Supervisor:
         self.wake = asyncio.Event()
         self.notifier = Notifier()
         self.last_status_line = ""
+        self._last_stats_pub = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ------------------------------------------------------------------ start
@@ -211,6 +215,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         loop.add_signal_handler(signal.SIGCHLD, self.wake.set)
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="control"),
@@ -241,6 +246,7 @@ class Supervisor:
                 self._verify(now)
                 self._steer()
                 self._notify(now)
+                self._publish_stats(now)
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), TICK)
@@ -603,16 +609,23 @@ class Supervisor:
         except zmq.ZMQError:
             return False
 
-    def publish(self, event: str, **fields: Any) -> None:
+    def publish(self, event: str, *, topic: bytes = b"event", **fields: Any) -> None:
+        """Events and stats on the PUB stream (``events.sock``): topic, then JSON."""
         if self.pub is None:
             return
         try:
             self.pub.send_multipart(
-                [b"event", m.msgspec.json.encode({"event": event, "ts": time.time(), **fields})],
+                [topic, m.msgspec.json.encode({"event": event, "ts": time.time(), **fields})],
                 flags=zmq.NOBLOCK,
             )
         except zmq.ZMQError:
             pass
+
+    def _publish_stats(self, now: float) -> None:
+        if now - self._last_stats_pub < 1.0:
+            return
+        self._last_stats_pub = now
+        self.publish("stats", topic=b"stats", state=self.state, slots=[s.status(now) for s in self.slots.values()])
 
     # ------------------------------------------------------------------- stop
 
@@ -683,6 +696,53 @@ class Supervisor:
     def _steer(self) -> None:
         if self.steering is not None and not self.stopping:
             self.steering.update(self.healthy_slots())
+
+    # ----------------------------------------------------------------- reload
+
+    def _on_hup(self) -> None:
+        try:
+            op = self.start_reload({"trigger": "SIGHUP"})
+            log.info("reload_requested", signal="SIGHUP", op=op.id)
+        except NumaserveError as e:
+            log.error("reload_refused", signal="SIGHUP", reason=str(e))
+
+    def start_reload(self, args: dict[str, Any]) -> Operation:
+        """Re-read the config (same file, same flags), check it changes nothing that
+        needs new listeners or a new plan, then roll every slot onto it."""
+        from numaserve.config import load_config
+        from numaserve.placement import make_plan
+        from numaserve.topology import discover
+
+        try:
+            new_cfg = load_config(self.config_path, self.overrides)
+            topo = discover(new_cfg.placement.sysfs_root, declared=new_cfg.placement.topology_file or None)
+            new_plan = make_plan(topo, new_cfg.placement)
+        except NumaserveError as e:
+            raise NumaserveError(f"reload refused, nothing changed: {e}") from None
+        problems = reload_blockers(self.cfg, self.plan, new_cfg, new_plan)
+        if problems:
+            raise NumaserveError(
+                "reload refused, nothing changed: " + "; ".join(problems)
+                + " (these need a restart of the service)"
+            )
+        timeout = float(args.get("timeout") or new_cfg.ops.drain_timeout)
+        slots = list(self.slots.values())
+
+        async def body(op: Operation) -> str:
+            self.notifier.reloading()
+            self.cfg = new_cfg
+            self.topology = topo
+            if self.steering is not None and self.steering.mode != new_cfg.server.steering:
+                self.steering.mode = new_cfg.server.steering
+                self.steering.healthy = None  # force a reattach
+            op.step("config re-read", config=self.config_path or "(defaults)")
+            try:
+                return await self.operations.roll(op, slots, timeout, new_cfg.ops.reload_parallel)
+            finally:
+                if self.notifier.enabled:
+                    self.notifier.send(READY=1, STATUS=self.status_line())
+
+        return self.operations.start("reload", args, [s.plan.slot for s in slots], body)
 
     # ---------------------------------------------------------------- systemd
 
@@ -784,6 +844,7 @@ class Supervisor:
             "plan": {"skipped": [{"node": s.node, "reason": s.reason} for s in self.plan.skipped],
                      "notes": list(self.plan.notes)},
             "slots": [s.status(now) for s in self.slots.values()],
+            "operations": self.operations.recent(),
         }
 
 
@@ -793,3 +854,27 @@ def _rss(pid: int) -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) -> list[str]:
+    """What a reload cannot apply in place (listeners and the plan are fixed for
+    the supervisor's life: they define the reuseport groups and bindings)."""
+    out = []
+    if sorted(old.server.bind) != sorted(new.server.bind):
+        out.append(f"server.bind changed ({old.server.bind} -> {new.server.bind})")
+    if old.server.backlog != new.server.backlog:
+        out.append(f"server.backlog changed ({old.server.backlog} -> {new.server.backlog})")
+    if bool(old.server.cmd) != bool(new.server.cmd):
+        out.append("switching between server.app and server.cmd")
+    a = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in old_plan.slots]
+    b = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in new_plan.slots]
+    if a != b:
+        out.append("the placement plan changed (nodes, workers per node, CPUs or memory policy)")
+    if old.supervisor.runtime_dir != new.supervisor.runtime_dir:
+        out.append("supervisor.runtime_dir changed")
+    if old.ops != new.ops:
+        changed = [k for k in ("readonly_group", "audit_log", "tcp_endpoint", "curve_secret_key",
+                               "curve_authorized_keys") if getattr(old.ops, k) != getattr(new.ops, k)]
+        if changed:
+            out.append("ops." + ", ops.".join(changed) + " changed")
+    return out

@@ -117,3 +117,76 @@ async def handle_ops_request(
         sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=reply.ok,
                          result=reply.error if not reply.ok else _summary(reply.result))
     return reply
+
+
+# ------------------------------------------------------------------ operations
+
+
+def select_slots(sup: "Supervisor", args: dict[str, Any], *, allow_all: bool = False) -> list[Any]:
+    """Slots named by ``slot`` or ``node`` (or every slot with ``all``)."""
+    slot = arg_int(args, "slot")
+    node = arg_int(args, "node")
+    if slot is not None and node is not None:
+        raise OpsArgError("give --slot or --node, not both")
+    if slot is not None:
+        if slot not in sup.slots:
+            raise OpsArgError(f"no slot {slot}; slots: {', '.join(str(s) for s in sup.slots)}")
+        return [sup.slots[slot]]
+    if node is not None:
+        chosen = [s for s in sup.slots.values() if s.plan.node == node]
+        if not chosen:
+            nodes = sorted({s.plan.node for s in sup.slots.values()})
+            raise OpsArgError(f"no slot on node {node}; nodes with slots: {', '.join(map(str, nodes))}")
+        return chosen
+    if allow_all or args.get("all"):
+        return list(sup.slots.values())
+    raise OpsArgError("name the slots: --slot S or --node N")
+
+
+def _op_reply(op: Any) -> dict[str, Any]:
+    return {"operation": op.to_json(), "state": op.state}
+
+
+@verb("drain", mutating=True)
+async def _drain(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    slots = select_slots(sup, args)
+    timeout = arg_float(args, "timeout", sup.cfg.ops.drain_timeout)
+    op = sup.operations.start("drain", args, [s.plan.slot for s in slots],
+                              lambda op: sup.operations.drain_slots(op, slots, timeout))
+    return _op_reply(op)
+
+
+@verb("undrain", mutating=True)
+async def _undrain(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    slots = select_slots(sup, args, allow_all=True)
+    op = sup.operations.start("undrain", args, [s.plan.slot for s in slots],
+                              lambda op: sup.operations.undrain_slots(op, slots))
+    return _op_reply(op)
+
+
+@verb("restart", mutating=True)
+async def _restart(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    slots = select_slots(sup, args)
+    timeout = arg_float(args, "timeout", sup.cfg.ops.drain_timeout)
+    op = sup.operations.start(
+        "restart", args, [s.plan.slot for s in slots],
+        lambda op: sup.operations.roll(op, slots, timeout, sup.cfg.ops.reload_parallel),
+    )
+    return _op_reply(op)
+
+
+@verb("reload", mutating=True)
+async def _reload(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    op = sup.start_reload(args)
+    return _op_reply(op)
+
+
+@verb("operation", mutating=False)
+async def _operation(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    op_id = args.get("id")
+    if not op_id:
+        return {"operations": sup.operations.recent()}
+    op = sup.operations.get(str(op_id))
+    if op is None:
+        raise OpsArgError(f"no operation {op_id!r} (the supervisor keeps the last 32)")
+    return {"operation": op.to_json(), "state": op.state}

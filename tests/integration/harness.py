@@ -64,7 +64,7 @@ class Running:
             self.wait_ready(timeout)
 
     # -- queries ---------------------------------------------------------
-    def ops(self, *args: str, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
+    def ops(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(numaserve_argv(*args, "--runtime-dir", str(self.rt)), capture_output=True,
                               text=True, timeout=timeout, cwd=str(REPO))
 

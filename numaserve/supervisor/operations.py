@@ -1,0 +1,280 @@
+"""Tracked, readiness-gated operations: drain, undrain, restart, reload.
+
+Every operation has an id, a list of steps with timestamps, and ends
+``succeeded`` or ``failed`` with a reason; ``status`` and ``numaserve ...
+--wait`` read it.  One mutating operation runs at a time (a second one is
+refused, never interleaved).
+
+Rolling replacement of a slot (restart, reload, leak recycling) is make
+before break on the *same* listener: the new generation starts and must
+report Ready; only then does the old one get Drain (it stops accepting and
+finishes its in-flight requests).  The listener never closes, so nothing
+queued is lost, and capacity never drops below the plan.  If the new worker
+fails, it is killed, the old one keeps serving, and the operation fails with
+the reason.
+
+Drain is steer-then-stop: the CBPF program first keeps new connections off
+the slot, the worker keeps accepting until the slot's accept queue is empty,
+then it is told to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import structlog
+
+from numaserve.errors import NumaserveError
+from numaserve.listeners import accept_queue_depth
+from numaserve.supervisor import slots as S
+
+if TYPE_CHECKING:
+    from numaserve.supervisor.arbiter import Supervisor
+
+log = structlog.get_logger("numaserve.operations")
+
+RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+MAX_KEPT = 32
+
+
+class OperationFailed(NumaserveError):
+    pass
+
+
+@dataclass
+class Operation:
+    kind: str
+    args: dict[str, Any]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+    state: str = RUNNING
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    result: str = ""
+    slots: list[int] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def step(self, message: str, **fields: Any) -> None:
+        entry = {"t": round(time.time() - self.started, 3), "message": message, **fields}
+        self.steps.append(entry)
+        log.info("operation_step", op=self.id, kind=self.kind, step=message, **fields)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "args": self.args,
+            "state": self.state,
+            "started": self.started,
+            "finished": self.finished,
+            "elapsed_s": round((self.finished or time.time()) - self.started, 3),
+            "slots": self.slots,
+            "steps": self.steps,
+            "result": self.result,
+        }
+
+
+class Operations:
+    """The supervisor's operation registry and runner."""
+
+    def __init__(self, sup: "Supervisor") -> None:
+        self.sup = sup
+        self.ops: dict[str, Operation] = {}
+        self.current: Operation | None = None
+
+    def get(self, op_id: str) -> Operation | None:
+        return self.ops.get(op_id)
+
+    def recent(self) -> list[dict[str, Any]]:
+        return [o.to_json() for o in list(self.ops.values())[-8:]]
+
+    def start(self, kind: str, args: dict[str, Any], slots: list[int],
+              body: Callable[[Operation], Awaitable[str]]) -> Operation:
+        if self.current is not None and self.current.state == RUNNING:
+            raise NumaserveError(
+                f"operation {self.current.id} ({self.current.kind}) is still running; "
+                f"wait for it (`numaserve operation {self.current.id} --wait`)"
+            )
+        if self.sup.stopping:
+            raise NumaserveError("the supervisor is stopping")
+        op = Operation(kind=kind, args=args, slots=slots)
+        self.ops[op.id] = op
+        while len(self.ops) > MAX_KEPT:
+            self.ops.pop(next(iter(self.ops)))
+        self.current = op
+        op.step("started", slots=slots)
+        self.sup.publish("operation", id=op.id, kind=kind, state=RUNNING, slots=slots)
+        asyncio.get_running_loop().create_task(self._run(op, body))
+        return op
+
+    async def _run(self, op: Operation, body: Callable[[Operation], Awaitable[str]]) -> None:
+        try:
+            op.result = await body(op)
+            op.state = SUCCEEDED
+        except OperationFailed as e:
+            op.state, op.result = FAILED, str(e)
+        except asyncio.CancelledError:
+            op.state, op.result = FAILED, "cancelled (supervisor stopping)"
+            raise
+        except Exception as e:  # a bug must fail the operation, not the supervisor
+            log.exception("operation_error", op=op.id)
+            op.state, op.result = FAILED, f"internal error: {type(e).__name__}: {e}"
+        finally:
+            op.finished = time.time()
+            for s in op.slots:
+                slot = self.sup.slots.get(s)
+                if slot is not None and slot.operation == op.id:
+                    slot.operation = None
+            op.step(op.state, result=op.result)
+            self.sup.publish("operation", id=op.id, kind=op.kind, state=op.state, result=op.result)
+            op.done.set()
+            self.sup.wake.set()
+
+    # ------------------------------------------------------------ procedures
+
+    async def replace_slot(self, op: Operation, slot: S.SlotState, timeout: float) -> None:
+        """Make-before-break: new generation Ready on the same listener, then drain the old."""
+        sup = self.sup
+        s = slot.plan.slot
+        slot.operation = op.id
+        if slot.drained:
+            op.step(f"slot {s}: drained, left out of service", slot=s)
+            return
+        old = slot.worker
+        now = time.monotonic()
+        if old is None or slot.state != S.READY:
+            # nothing serving (backoff, failed): start fresh and wait
+            slot.restart.reset()
+            slot.failed_reason = None
+            if slot.worker is None:
+                sup._start_worker(slot, now)
+            new = slot.worker
+            if new is None:
+                raise OperationFailed(f"slot {s}: could not spawn: {slot.last_restart_reason}")
+            op.step(f"slot {s}: started generation {new.generation} (slot was {slot.state})", slot=s, pid=new.pid)
+            await self._wait_ready(op, slot, new)
+            return
+        try:
+            new = sup._spawn_generation(slot, now)
+        except (OSError, NumaserveError) as e:
+            raise OperationFailed(f"slot {s}: could not spawn the new worker: {e}; old worker kept") from None
+        slot.incoming = new
+        op.step(f"slot {s}: generation {new.generation} starting beside {old.generation}", slot=s, pid=new.pid)
+        await self._wait_ready(op, slot, new)
+        # switch: the new worker is serving (same listener); retire the old one
+        slot.incoming = None
+        slot.worker = new
+        slot.retiring.append(old)
+        sup._mark_ready(slot, time.monotonic())
+        sup._send_stop_to(slot, old, time.monotonic(), timeout, drain=True)
+        op.step(f"slot {s}: generation {new.generation} ready; draining {old.generation}", slot=s,
+                old_pid=old.pid)
+        try:
+            await asyncio.wait_for(old.exit_evt.wait(), timeout + 10.0)
+        except asyncio.TimeoutError:
+            raise OperationFailed(f"slot {s}: old worker pid {old.pid} did not exit") from None
+        op.step(f"slot {s}: generation {old.generation} exited ({old.exit_cause})", slot=s)
+
+    async def _wait_ready(self, op: Operation, slot: S.SlotState, new: S.WorkerProc) -> None:
+        sup = self.sup
+        limit = sup.cfg.supervisor.ready_timeout
+        try:
+            await asyncio.wait_for(new.ready_evt.wait(), limit + 1.0)
+        except asyncio.TimeoutError:
+            pass
+        if new.ready is None or new.exit_code is not None:
+            why = new.exit_cause or new.kill_reason or f"not ready within {limit:g}s"
+            if new.popen.poll() is None:
+                new.kill_reason = new.kill_reason or "replacement aborted"
+                sup._kill(new, time.monotonic())
+            if slot.incoming is new:
+                # leave it for the reaper; the old worker keeps serving
+                pass
+            raise OperationFailed(
+                f"slot {slot.plan.slot}: new worker (generation {new.generation}) failed: {why}; "
+                + ("old worker kept serving" if slot.worker is not new else "slot not serving")
+            )
+
+    async def drain_slots(self, op: Operation, slots: list[S.SlotState], timeout: float) -> str:
+        sup = self.sup
+        deadline = time.monotonic() + timeout
+        for slot in slots:
+            slot.operation = op.id
+            slot.drained = True
+            if slot.worker is not None and slot.state == S.READY:
+                slot.state = S.DRAINING
+        sup._steer()  # no new connections for these slots from now on
+        op.step("steered new connections away", healthy=sup.healthy_slots())
+        if not sup.healthy_slots():
+            op.step("warning: no slot left serving: new connections queue until undrain")
+        # let the worker take what is already queued (bounded), then a round trip of grace
+        settle = min(5.0, max(0.2, timeout / 4))
+        end = time.monotonic() + settle
+        while time.monotonic() < end:
+            depth = sum(accept_queue_depth(lst.sock) or 0 for sl in slots for lst in sup.listeners.by_slot[sl.plan.slot])
+            if depth == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        now = time.monotonic()
+        waits = []
+        for slot in slots:
+            for w in list(slot.workers()):
+                if w.popen.poll() is None:
+                    sup._send_stop_to(slot, w, now, max(0.1, deadline - now), drain=True)
+                    waits.append((slot, w))
+        op.step("told workers to drain", workers=[w.pid for _, w in waits])
+        left = []
+        for slot, w in waits:
+            remaining = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(w.exit_evt.wait(), max(0.05, remaining))
+            except asyncio.TimeoutError:
+                inflight = w.stats.inflight if w.stats else None
+                left.append(f"slot {slot.plan.slot} pid {w.pid} ({inflight} in flight)")
+        for slot in slots:
+            if slot.worker is None:
+                slot.state = S.DRAINED
+        if left:
+            raise OperationFailed(f"timeout after {timeout:g}s with work left: " + ", ".join(left))
+        return f"drained slots {[s.plan.slot for s in slots]}"
+
+    async def undrain_slots(self, op: Operation, slots: list[S.SlotState]) -> str:
+        sup = self.sup
+        waits = []
+        for slot in slots:
+            slot.operation = op.id
+            slot.drained = False
+            if slot.worker is None:
+                slot.restart.reset()
+                slot.failed_reason = None
+                sup._start_worker(slot, time.monotonic())
+                if slot.worker is not None:
+                    waits.append((slot, slot.worker))
+                    op.step(f"slot {slot.plan.slot}: starting generation {slot.worker.generation}")
+            elif slot.state == S.DRAINING:
+                # drain never got to stop it: it is still serving
+                slot.state = S.READY
+        for slot, w in waits:
+            await self._wait_ready(op, slot, w)
+        sup._steer()
+        return f"serving slots {[s.plan.slot for s in slots]}"
+
+    async def roll(self, op: Operation, slots: list[S.SlotState], timeout: float, parallel: int) -> str:
+        """Replace slots ``parallel`` at a time; stop at the first failure."""
+        done = 0
+        for i in range(0, len(slots), max(1, parallel)):
+            batch = slots[i:i + max(1, parallel)]
+            results = await asyncio.gather(*(self.replace_slot(op, s, timeout) for s in batch),
+                                           return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    if isinstance(r, OperationFailed):
+                        raise OperationFailed(f"{r} (replaced {done} of {len(slots)} slots before it)")
+                    raise r
+            done += len(batch)
+        return f"replaced {done} slot(s)"
