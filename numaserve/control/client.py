@@ -72,9 +72,13 @@ def _connect(sock: zmq.Socket, target: OpsTarget) -> str:
         return target.endpoint
     assert target.runtime_dir is not None
     path = target._ipc_path()
-    if not path.exists():
-        if not os.access(target.runtime_dir, os.X_OK) and target.runtime_dir.exists():
-            raise OpsError(f"permission denied: {target.runtime_dir} (run as the supervisor's user or root)")
+    try:
+        present = path.exists()
+    except PermissionError:
+        present = False
+    if target.runtime_dir.is_dir() and not os.access(target.runtime_dir, os.X_OK):
+        raise OpsError(f"permission denied: {target.runtime_dir} (run as the supervisor's user or root)")
+    if not present:
         raise OpsError(
             f"no supervisor is running with runtime directory {target.runtime_dir} ({path} does not exist); "
             "start one with `numaserve start` or pass --runtime-dir"
