@@ -67,7 +67,7 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     codel_target_min_s: float = 0.005
     codel_target_max_s: float = 0.1
     slough_factor: float = 2.0           # shed waiters older than factor × target while overloaded
-    max_wait_factor: float = 2.0         # a waiter leaves after factor × target (0: no limit)
+    max_wait_factor: float = 1.0         # a waiter leaves after factor × target (0: no limit)
     burst_fraction: float = 0.1          # token-bucket burst when the supervisor sends none
     retry_after_min_s: int = 1
     retry_after_max_s: int = 30

@@ -42,20 +42,20 @@ class GradientSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     window_min_samples: int = 30
     window_max_s: float = 5.0            # a window ends here even if short of samples
     window_floor_samples: int = 10       # ... and then needs this many to update (else hold)
-    percentile: float = 0.9              # of successful service times in the window
+    percentile: float = 0.5              # of successful service times in the window (Envoy default)
     buffer: float = 0.25                 # tolerated service growth over the baseline
     buffer_min_s: float = 0.002          # timer noise floor of the buffer
     gradient_min: float = 0.5
     gradient_max: float = 2.0
     decrease_smoothing: float = 0.5      # weight of a decrease (1.0 while CoDel-overloaded)
-    headroom_min_gradient: float = 0.0   # add the sqrt(L) headroom only when g ≥ this
+    headroom_min_gradient: float = 1.0   # add the sqrt(L) headroom only when g ≥ this (0: always)
     drop_backoff: float = 0.9            # L ← 0.9·L on a 504 in the window (once per window)
     app_limited_ratio: float = 0.5       # no increase if window max in-flight < ratio × L
     growth_cap_factor: float = 5.0       # L ≤ factor × window max in-flight when increasing
     probe_interval_s: float = 60.0       # 0: probe only when asked or forced
     probe_jitter: float = 0.15           # + U(0, jitter) × interval
     probe_samples: int = 50
-    probe_percentile: float = 0.5        # baseline = this quantile of the probe samples
+    probe_percentile: float | None = None  # baseline quantile of the probe; None = ``percentile``
     probe_fraction: float = 0.25         # probe limit = max(floor, ceil(fraction × L))
     probe_max_s: float = 10.0            # give up a probe after this long ...
     probe_min_samples: int = 10          # ... using what it has if at least this many
@@ -65,7 +65,7 @@ class GradientSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         if not 1 <= self.min_limit <= self.initial_limit <= self.max_limit:
             raise ValueError("need 1 ≤ min_limit ≤ initial_limit ≤ max_limit")
-        if not (0 < self.percentile < 1 and 0 < self.probe_percentile < 1):
+        if not (0 < self.percentile < 1 and 0 < (self.probe_percentile or 0.5) < 1):
             raise ValueError("percentiles must be in (0, 1)")
         if not 0 < self.gradient_min <= 1 <= self.gradient_max:
             raise ValueError("need 0 < gradient_min ≤ 1 ≤ gradient_max")
@@ -213,7 +213,7 @@ class GradientController:
         if n < s.probe_samples and not timed_out:
             return
         if n >= s.probe_samples or n >= s.probe_min_samples:
-            measured = quantile(sorted(self._probe_samples), s.probe_percentile)
+            measured = quantile(sorted(self._probe_samples), s.probe_percentile or s.percentile)
             self._baselines.append(measured)
             self.baseline_s = min(self._baselines)
             self.last_reason = f"baseline {measured * 1e3:.1f} ms from {n} samples"

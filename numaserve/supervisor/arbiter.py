@@ -329,6 +329,7 @@ class Supervisor:
         w.exit_evt.set()
         w.ready_evt.set()  # wake anyone waiting for readiness: it will not come
         slot.requests_before += w.stats.requests if w.stats else 0
+        slot.totals_before.add_stats(w.stats)
         expected = self.stopping or (w.stop_sent is not None and not w.kill_reason)
         if w in slot.retiring:
             slot.retiring.remove(w)
@@ -367,6 +368,8 @@ class Supervisor:
         delay, looping = slot.restart.record_exit(now, uptime, counted=counted)
         slot.restarts += 1
         slot.last_restart_reason = reason
+        cls = S.restart_reason_class(reason)
+        slot.totals_before.restarts_by_reason[cls] = slot.totals_before.restarts_by_reason.get(cls, 0) + 1
         boot_failure = boot and code in (WORKER_EXIT_APP_LOAD, LAUNCH_EXIT_BIND_FAILED, LAUNCH_EXIT_NOT_FOUND)
         # At start-up (no slot has served yet) a deterministic boot failure is
         # final for the slot, so a broken app fails fast with its reason.
@@ -700,11 +703,17 @@ class Supervisor:
     # ----------------------------------------------------------------- reload
 
     def _on_hup(self) -> None:
+        who = {"signal": "SIGHUP"}
         try:
             op = self.start_reload({"trigger": "SIGHUP"})
-            log.info("reload_requested", signal="SIGHUP", op=op.id)
         except NumaserveError as e:
             log.error("reload_refused", signal="SIGHUP", reason=str(e))
+            self.audit.record(who=who, channel="signal", verb="reload", args={}, op_id="", ok=False, result=str(e))
+            return
+        log.info("reload_requested", signal="SIGHUP", op=op.id)
+        op.on_finish.append(lambda o: self.audit.record(
+            who=who, channel="signal", verb="reload", args={}, op_id=o.id, ok=o.state == "succeeded",
+            result=f"operation {o.id} {o.state}: {o.result}"))
 
     def start_reload(self, args: dict[str, Any]) -> Operation:
         """Re-read the config (same file, same flags), check it changes nothing that

@@ -57,6 +57,7 @@ class Operation:
     result: str = ""
     slots: list[int] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    on_finish: list[Callable[["Operation"], None]] = field(default_factory=list)
 
     def step(self, message: str, **fields: Any) -> None:
         entry = {"t": round(time.time() - self.started, 3), "message": message, **fields}
@@ -130,6 +131,11 @@ class Operations:
                 if slot is not None and slot.operation == op.id:
                     slot.operation = None
             op.step(op.state, result=op.result)
+            for cb in op.on_finish:
+                try:
+                    cb(op)
+                except Exception:
+                    log.exception("operation_callback_error", op=op.id)
             self.sup.publish("operation", id=op.id, kind=op.kind, state=op.state, result=op.result)
             op.done.set()
             self.sup.wake.set()
@@ -170,6 +176,8 @@ class Operations:
         slot.worker = new
         slot.retiring.append(old)
         sup._mark_ready(slot, time.monotonic())
+        rb = slot.totals_before.restarts_by_reason
+        rb[op.kind] = rb.get(op.kind, 0) + 1
         sup._send_stop_to(slot, old, time.monotonic(), timeout, drain=True)
         op.step(f"slot {s}: generation {new.generation} ready; draining {old.generation}", slot=s,
                 old_pid=old.pid)

@@ -116,6 +116,13 @@ async def handle_ops_request(
     if mutating:
         sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=reply.ok,
                          result=reply.error if not reply.ok else _summary(reply.result))
+        op_id = reply.result.get("operation", {}).get("id") if reply.ok and isinstance(reply.result, dict) else None
+        op = sup.operations.get(op_id) if op_id else None
+        if op is not None:
+            # the request was accepted; record how the operation it started ended
+            op.on_finish.append(lambda o: sup.audit.record(
+                who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=o.state == "succeeded",
+                result=f"operation {o.id} {o.state}: {o.result}"))
     return reply
 
 

@@ -24,6 +24,57 @@ DRAINED = "drained"        # taken out of service by the operator: listener kept
 
 
 @dataclass
+class Totals:
+    """Monotonic per-slot counters summed over every generation (for metrics:
+    a worker restart must not look like a counter reset)."""
+
+    status_classes: dict[str, int] = field(default_factory=dict)
+    latency_buckets: list[int] = field(default_factory=list)
+    latency_count: int = 0
+    latency_sum_ms: float = 0.0
+    restarts_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def add_stats(self, stats: Stats | None) -> None:
+        if stats is None:
+            return
+        for k, v in stats.status_classes.items():
+            self.status_classes[k] = self.status_classes.get(k, 0) + int(v)
+        b = stats.extra.get("latency_buckets") if isinstance(stats.extra, dict) else None
+        if isinstance(b, list):
+            if len(self.latency_buckets) < len(b):
+                self.latency_buckets.extend([0] * (len(b) - len(self.latency_buckets)))
+            for i, v in enumerate(b):
+                self.latency_buckets[i] += int(v)
+            self.latency_count += int(stats.extra.get("latency_count", 0))
+            self.latency_sum_ms += float(stats.extra.get("latency_sum_ms", 0.0))
+
+    def combined(self, stats: Stats | None) -> dict[str, Any]:
+        """These totals plus the live worker's own counters."""
+        t = Totals(dict(self.status_classes), list(self.latency_buckets), self.latency_count,
+                   self.latency_sum_ms, dict(self.restarts_by_reason))
+        t.add_stats(stats)
+        return {
+            "status_classes": t.status_classes,
+            "latency_buckets": t.latency_buckets,
+            "latency_count": t.latency_count,
+            "latency_sum_ms": round(t.latency_sum_ms, 3),
+            "restarts_by_reason": t.restarts_by_reason,
+        }
+
+
+def restart_reason_class(reason: str) -> str:
+    """A small fixed vocabulary for metrics labels (the full reason is in status/logs)."""
+    r = reason.lower()
+    for key in ("hung", "not ready", "sigkill", "sigabrt", "sigsegv", "app failed", "spawn failed", "binding",
+                "leak", "soft cap", "hard cap", "reload", "restart"):
+        if key in r:
+            return key.replace(" ", "_")
+    if r.startswith("exit") or "exit " in r:
+        return "exit"
+    return "other"
+
+
+@dataclass
 class WorkerProc:
     generation: int
     popen: subprocess.Popen[bytes]
@@ -70,6 +121,7 @@ class SlotState:
     failed_reason: str | None = None
     ever_ready: bool = False
     requests_before: int = 0            # requests served by earlier generations
+    totals_before: "Totals" = field(default_factory=lambda: Totals())
     drained: bool = False               # operator drained: no new connections, no worker
     incoming: WorkerProc | None = None  # next generation during a rolling replace
     retiring: list[WorkerProc] = field(default_factory=list)  # old generations draining out
@@ -123,6 +175,7 @@ class SlotState:
             "connections": stats.connections if stats else 0,
             "latency_ms": dict(stats.latency_ms) if stats else {},
             "status_classes": dict(stats.status_classes) if stats else {},
+            "totals": self.totals_before.combined(stats),
             "loop_lag_s": round(w.loop_lag, 4) if w else None,
             "last_heartbeat_s": round(now - w.last_beat, 3) if w and w.last_beat else None,
             "external": w.external if w else None,
