@@ -215,9 +215,13 @@ def order_cores_first(cpus: Sequence[int], smt_siblings: Mapping[int, Sequence[i
 
 
 def _nic_cpus(topo: Topology, nic: Nic, base: Sequence[int]) -> tuple[int, ...]:
-    """``base`` ∩ local_cpus ∩ online ∩ allowed (FACTS §5.3)."""
+    """``base`` ∩ local_cpus ∩ online ∩ allowed (FACTS §5.3).
+
+    A NIC whose node was *declared* by the operator ignores sysfs local_cpus:
+    the declaration exists because firmware locality is wrong or absent.
+    """
     s = set(base) & set(topo.online_cpus) & set(topo.allowed_cpus)
-    if nic.local_cpus:
+    if nic.local_cpus and nic.numa_node_source != "declared":
         s &= set(nic.local_cpus)
     return tuple(sorted(s))
 

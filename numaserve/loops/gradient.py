@@ -6,14 +6,22 @@ on purpose (the gate's CoDel handles it); mixing it in is what made the
 anchors' baselines drift (Gradient2, Envoy #11579; FACTS-limits-leaks §9.1).
 
 Per window (≥ 0.5 s and ≥ 30 samples, at most 5 s):
-``g = clamp(baseline·(1+buffer)/p90, 0.5, 2)``, ``L = L·g + sqrt(L·g)``;
-decreases smoothed (weight 0.5, full while CoDel reports overload);
-no increase while app-limited (window max in-flight < L/2); growth capped at
-5 × window max in-flight; a 504 in the window → ``L·0.9`` instead.
-Baseline: p50 of ≥ 50 probe samples taken at ``max(floor, ceil(L/4))`` from
-requests started after the probe began, every 60 s (+ jitter) and at once
-after 5 windows at the floor; the last 3 probes are kept and the minimum used
-(a forced probe replaces them: a floor-pinned limit means the baseline is stale).
+``g = clamp(baseline·(1+buffer)/sample, 0.5, 2)``, ``L = L·g + sqrt(L·g)``
+(the sqrt headroom only when g ≥ 1, Netflix PR #134: otherwise a gradient
+near 0.8 keeps creeping up); decreases smoothed (weight 0.5, full while CoDel
+reports overload); no increase while app-limited (window max in-flight < L/2);
+growth capped at 5 × window max in-flight; a 504 in the window → ``L·0.9``.
+Baseline: a quantile of ≥ 50 probe samples taken at ``max(floor, ceil(L/4))``
+from requests started after the probe began, every 60 s (+ jitter) and at
+once after 5 windows at the floor; the last 3 probes are kept and the minimum
+used (a forced probe replaces them: a floor-pinned limit means a stale baseline).
+
+Sample and baseline use the **same** quantile (p50 by default, Envoy's
+default).  FACTS §9.3 proposed p90 against a p50 baseline; with cv 0.5
+service times p90/p50 ≈ 1.8 > 1.25, so g < 1 even without any queue and the
+limit settles near ``g/(1−g)² ≈ 7`` whatever the capacity: in the test
+simulator goodput at 3 C fell to 0.49 with 16 servers and 0.14 with 64
+(and 0.14 even at 0.8 C), while like-for-like holds 1.00 at 2–64 servers.
 """
 
 from __future__ import annotations

@@ -110,6 +110,8 @@ class Supervisor:
         }
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
+        self.irq_status: dict[str, Any] | None = None
+        self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
         self.ctl: zmq.asyncio.Socket | None = None
         self.ops: zmq.asyncio.Socket | None = None
@@ -144,6 +146,7 @@ class Supervisor:
         self.listeners = open_listeners(
             self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
         )
+        self._apply_irqs()
         self.steering = Steering(
             self.listeners,
             mode=self.cfg.server.steering,
@@ -168,6 +171,56 @@ class Supervisor:
             runtime_dir=str(self.runtime.path),
             backlog=self.cfg.server.backlog,
         )
+
+    def _apply_irqs(self) -> None:
+        """``[irq] apply_at_start``: steer NIC IRQs onto their nodes' CPUs; restored at exit.
+
+        A refusal (irqbalance running in refuse mode) or per-IRQ failures do not
+        stop serving: they are logged with the fix and shown in status.
+        """
+        from numaserve.irq import IrqbalanceConflict, apply_plan, default_state_file, plan_irqs
+
+        if not self.cfg.irq.apply_at_start or self.topology is None:
+            return
+        settings = self.cfg.irq
+        state_file = default_state_file(settings)
+        try:
+            plan = plan_irqs(self.topology, settings, reserved=getattr(self.plan, "irq_cpus", None) or None)
+            result = apply_plan(plan, root=self.cfg.placement.sysfs_root, state_file=state_file)
+        except IrqbalanceConflict as e:
+            self.irq_status = {"applied": False, "reason": str(e)}
+            log.error("irq_steering_refused", reason=str(e))
+            return
+        except (OSError, NumaserveError) as e:
+            self.irq_status = {"applied": False, "reason": str(e)}
+            log.error("irq_steering_failed", reason=str(e))
+            return
+        self.irq_state_file = state_file
+        failed = [r.to_json() for r in result.failed]
+        self.irq_status = {
+            "applied": True,
+            "irqs": len(result.irqs),
+            "failed": failed,
+            "warnings": list(result.warnings) + list(plan.warnings),
+            "state_file": state_file,
+            "placement": {str(e.irq): list(e.target) for e in plan.entries},
+        }
+        (log.warning if failed else log.info)(
+            "irq_steering_applied", irqs=len(result.irqs), failed=len(failed), state_file=state_file
+        )
+
+    def _restore_irqs(self) -> None:
+        from numaserve.irq import restore
+
+        if self.irq_state_file is None:
+            return
+        try:
+            res = restore(root=self.cfg.placement.sysfs_root, state_file=self.irq_state_file)
+            log.info("irq_steering_restored", irqs=len(res.irqs), failed=len(res.failed))
+        except (OSError, NumaserveError) as e:
+            log.error("irq_restore_failed", reason=str(e), fix="numaserve irq restore --state-file "
+                      + self.irq_state_file)
+        self.irq_state_file = None
 
     def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
         assert self.ctx is not None
@@ -271,6 +324,7 @@ class Supervisor:
                     except Exception:
                         pass
         self.listeners.close()
+        self._restore_irqs()
         for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
             if sock is not None:
                 sock.close(0)
@@ -847,6 +901,7 @@ class Supervisor:
                 },
                 "bad_messages": self.bad_messages,
                 "steering": self.steering.status() if self.steering else None,
+                "irq": self.irq_status,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),
                 "cmd": self.cfg.server.cmd,
             },

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import structlog
+import structlog.tracebacks
 
 from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
 from numaserve.worker.appload import AppLoadError, describe_exception, load_app
@@ -310,12 +311,12 @@ def _fallback_logging(level: str, fmt: str) -> Any:
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: Any
-    if fmt == "json":
-        final = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
-    else:
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
-        final = [renderer]
+    final: list[Any] = (
+        [structlog.processors.ExceptionRenderer(  # structured traceback, no locals (secrets)
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
+         structlog.processors.JSONRenderer(default=str)]
+        if fmt == "json" else [structlog.dev.ConsoleRenderer(colors=False)]
+    )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=pre,
