@@ -97,6 +97,16 @@ class LogConfig(_Section):
     format: Literal["auto", "json", "console"] = "auto"
 
 
+class EnvConfig(_Section):
+    """Environment each worker starts with (templated per slot)."""
+
+    thread_pools: bool = True
+    gpu_visibility: bool = True
+    vars: dict[str, str] = msgspec.field(default_factory=dict)
+    node: dict[str, dict[str, str]] = msgspec.field(default_factory=dict)
+    slot: dict[str, dict[str, str]] = msgspec.field(default_factory=dict)
+
+
 class OpsConfig(_Section):
     """Who may operate the supervisor, and how operations are recorded."""
 
@@ -113,6 +123,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     irq: IrqSettings = msgspec.field(default_factory=IrqSettings)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
@@ -203,6 +214,10 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     if cfg.supervisor.heartbeat_timeout <= cfg.supervisor.heartbeat_interval:
         raise bad("supervisor", "heartbeat_timeout", cfg.supervisor.heartbeat_timeout,
                   f"more than supervisor.heartbeat_interval ({cfg.supervisor.heartbeat_interval})")
+    from numaserve.workerenv import check_env_config  # local: avoids an import cycle
+
+    for key, value, why in check_env_config(cfg.env):
+        raise bad("env", key, value, why)
     ops = cfg.ops
     if ops.tcp_endpoint:
         if not ops.tcp_endpoint.startswith("tcp://"):

@@ -69,9 +69,23 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_json(plan: Plan, topology_root: str, declared: str | None) -> dict[str, Any]:
-    """``Plan.to_json`` plus where the topology came from."""
-    return {"root": topology_root, "declared": declared, **plan.to_json()}
+def plan_json(plan: Plan, topology_root: str, declared: str | None,
+              envs: dict[int, dict[str, str]] | None = None) -> dict[str, Any]:
+    """``Plan.to_json`` plus where the topology came from and each slot's environment."""
+    out = {"root": topology_root, "declared": declared, **plan.to_json()}
+    for s in out["slots"]:
+        if envs is not None and s["slot"] in envs:
+            s["env"] = envs[s["slot"]]
+    return out
+
+
+def slot_envs(cfg: Any, plan: Plan, topo: Any) -> dict[int, dict[str, str]]:
+    """What numaserve would set in each worker's environment (thread pools, GPUs, [env])."""
+    import os
+
+    from numaserve.supervisor.spawn import numaserve_env
+
+    return {s.slot: numaserve_env(cfg, os.environ, s, 1, topo.gpus) for s in plan.slots}
 
 
 @click.command("plan")
@@ -110,7 +124,18 @@ def plan(
     p = cfg.placement
     topo = discover(p.sysfs_root or "/", declared=p.topology_file or None)
     result = make_plan(topo, p)
+    envs = slot_envs(cfg, result, topo)
     if want_json(as_json):
-        echo_json(plan_json(result, topo.root, topo.declared))
+        echo_json(plan_json(result, topo.root, topo.declared, envs))
     else:
         click.echo(format_plan(result))
+        shown = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+        lines = []
+        for slot, env in envs.items():
+            keys = [k for k in env if k in shown or not k.startswith(("NUMASERVE_", "MKL_", "OPENBLAS_", "NUMEXPR_",
+                                                                      "VECLIB_", "BLIS_", "CUDA_DEVICE_ORDER"))]
+            if keys:
+                lines.append(f"  slot {slot}: " + " ".join(f"{k}={env[k]}" for k in keys))
+        if lines:
+            click.echo("\nworker environment (thread pools sized to the slot; GPUs of its node):")
+            click.echo("\n".join(lines))

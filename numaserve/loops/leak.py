@@ -281,8 +281,8 @@ class LeakDetector:
         """Record one sample: the worker's request counter and its memory."""
         req = requests_total - self.spawn_req
         if req < self._requests:  # counter went backwards: a new process behind this slot
-            self.reset(now, requests_total)
-            req = 0
+            self.reset(now, 0)
+            req = requests_total
         self._requests = req
         self._t = now
         self._rss = int(rss_bytes)
@@ -311,6 +311,7 @@ class LeakDetector:
         self._last_eval_req = 0
         self._last_req_axis_req = -1
         self._req_trends = []
+        self._last = Verdict(kind="warming", reason="grace", detail="reset", at=now, evidence=self._evidence(None, []))
 
     # --- decision ---------------------------------------------------------------------
 

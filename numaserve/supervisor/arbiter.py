@@ -343,8 +343,11 @@ class Supervisor:
         """Start the slot's next generation (raises OSError/NumaserveError)."""
         slot.generation += 1
         fds = self.listeners.by_slot[slot.plan.slot]
-        popen, external = spawn(self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET))
-        w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external)
+        popen, external, env = spawn(
+            self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
+            all_gpus=self.topology.gpus if self.topology else (),
+        )
+        w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external, env=env)
         log.info(
             "spawn",
             slot=slot.plan.slot,

@@ -99,6 +99,7 @@ class WorkerProc:
     stop_deadline: float = 0.0          # seconds it was given to finish (Stop/Drain)
     exit_code: int | None = None
     exit_cause: str | None = None
+    env: dict[str, str] = field(default_factory=dict)   # what numaserve set (thread pools, GPUs, [env])
     ready_evt: asyncio.Event = field(default_factory=asyncio.Event)
     exit_evt: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -176,6 +177,7 @@ class SlotState:
             "latency_ms": dict(stats.latency_ms) if stats else {},
             "status_classes": dict(stats.status_classes) if stats else {},
             "totals": self.totals_before.combined(stats),
+            "env": dict(w.env) if w else {},
             "loop_lag_s": round(w.loop_lag, 4) if w else None,
             "last_heartbeat_s": round(now - w.last_beat, 3) if w and w.last_beat else None,
             "external": w.external if w else None,

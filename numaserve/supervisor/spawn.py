@@ -13,7 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from numaserve.config import Config
 from numaserve.cpulist import format_list
@@ -22,6 +22,7 @@ from numaserve.launch import build_launch_argv
 from numaserve.listeners import Listener
 from numaserve.placement import SlotPlan
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+from numaserve.workerenv import slot_env
 
 CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
 
@@ -101,8 +102,21 @@ def check_cmd_template(template: str) -> None:
         fake.sock.close()
 
 
-def worker_env(base: Mapping[str, str], plan: SlotPlan, generation: int, spec: WorkerSpec | None) -> dict[str, str]:
+def numaserve_env(cfg: Config, base: Mapping[str, str], plan: SlotPlan, generation: int,
+                  all_gpus: Iterable[object] = ()) -> dict[str, str]:
+    """What numaserve sets for this slot (shown in status and plan)."""
+    env = slot_env(
+        slot=plan.slot, node=plan.node, index=plan.index, cpus=plan.cpus, gpus=plan.gpus, all_gpus=all_gpus,
+        env_cfg=cfg.env, inherited=base, generation=generation,
+    )
+    env["NUMASERVE_MEMPOLICY"] = plan.mempolicy + (":" + format_list(plan.memory_nodes) if plan.memory_nodes else "")
+    return env
+
+
+def worker_env(base: Mapping[str, str], plan: SlotPlan, generation: int, spec: WorkerSpec | None,
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(base)
+    env.update(extra or {})
     env.update(
         NUMASERVE_SLOT=str(plan.slot),
         NUMASERVE_NODE=str(plan.node),
@@ -127,9 +141,11 @@ def spawn(
     control: str,
     *,
     environ: Mapping[str, str] | None = None,
-) -> tuple[subprocess.Popen[bytes], bool]:
-    """Start the slot's worker; returns (process, external?)."""
+    all_gpus: Iterable[object] = (),
+) -> tuple[subprocess.Popen[bytes], bool, dict[str, str]]:
+    """Start the slot's worker; returns (process, external?, variables numaserve set)."""
     base = os.environ if environ is None else environ
+    extra = numaserve_env(cfg, base, plan, generation, all_gpus)
     if cfg.server.cmd:
         argv = render_cmd(cfg.server.cmd, plan, generation, listeners)
         spec = None
@@ -145,7 +161,7 @@ def spawn(
         nodes=plan.memory_nodes,
         ppid=os.getpid(),
     )
-    env = worker_env(base, plan, generation, spec)
+    env = worker_env(base, plan, generation, spec, extra)
     popen = subprocess.Popen(
         launch,
         pass_fds=[lst.fd for lst in listeners],
@@ -155,4 +171,4 @@ def spawn(
         process_group=0,
         cwd=cfg.server.app_dir or None,
     )
-    return popen, external
+    return popen, external, extra

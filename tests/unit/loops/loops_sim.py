@@ -115,7 +115,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         seq += 1
         heapq.heappush(events, (t, seq, kind, obj))
 
-    ARRIVAL, FINISH, TICK, L2 = 0, 1, 2, 3
+    ARRIVAL, FINISH, TICK, L2, EXPIRE = 0, 1, 2, 3, 4
     busy = 0
     server_q: list[_Req] = []
     server_qi = 0
@@ -217,6 +217,8 @@ def simulate(cfg: SimConfig) -> SimResult:
                 assert isinstance(d, Queued)
                 req.ticket = d.ticket
                 by_ticket[d.ticket.id] = req
+                if not math.isinf(d.ticket.expires_at):  # the wrapper's per-waiter timer
+                    push(d.ticket.expires_at, EXPIRE, d.ticket)
                 apply(gate.poll(now), now)
         elif kind == FINISH:
             req = obj  # type: ignore[assignment]
@@ -242,6 +244,8 @@ def simulate(cfg: SimConfig) -> SimResult:
                 if m0 <= req.arrival < m1:
                     lat_ok.append(now - req.arrival)
             apply(gate.release(now, req.permit, outcome), now)
+        elif kind == EXPIRE:
+            apply(gate.poll(now), now)
         elif kind == TICK:
             apply(gate.poll(now), now)
             limits.append((now, float(min(gate.limit(now), 10_000))))
