@@ -4,8 +4,9 @@ Routes:
 - ``POST /v1/completions`` — OpenAI-style text completion.  CPU cost is
   proportional to ``max_tokens`` x number of prompts: a pure-Python integer
   mixing loop of ``ROUNDS_PER_TOKEN`` rounds per token, about 0.3 ms per token
-  on the 2-core development VM (measured 0.27–0.33 ms, CPython 3.11; see
-  ``measure_token_cost()``).  The text is a function of the prompt only
+  on the 2-core development VM (CPython 3.11: 0.21–0.38 ms when idle, up to
+  0.48 ms with other load on the shared cores; ``measure_token_cost()``
+  measures it on any machine).  The text is a function of the prompt only
   (blake2b seed), so replies can be compared across workers.  The loop yields
   to the event loop every ``YIELD_EVERY`` tokens so concurrent requests share
   the worker and heartbeats keep flowing, like a batched inference server.

@@ -108,11 +108,12 @@ class TokenBucket:
             self._t = now
 
     def set(self, now: float, rate: float, burst: float) -> None:
-        """Change rate/burst, keeping earned tokens up to the new burst."""
+        """Change rate/burst, keeping earned tokens up to the new burst (full when it was unlimited)."""
         self._refill(now)
+        was_unlimited = self.rate <= 0
         self.rate = float(rate)
         self.burst = max(1.0, float(burst))
-        self.tokens = min(self.tokens, self.burst)
+        self.tokens = self.burst if was_unlimited else min(self.tokens, self.burst)
 
     def try_take(self, now: float, n: float = 1.0) -> bool:
         if self.rate <= 0:

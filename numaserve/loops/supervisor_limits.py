@@ -197,6 +197,7 @@ class LimitsLoop:
         self._acc_dur = 0.0
         # Overrides: None key = node
         self._overrides: dict[int | None, _Override] = {}
+        self._auto_source = "auto: fair share"
 
     # --- inputs ----------------------------------------------------------------------------
 
@@ -222,6 +223,7 @@ class LimitsLoop:
             notes.append(vnote)
             if source == "auto: fair share":
                 source = f"auto: {vnote}"
+        self._auto_source = source
         return self._decide(now, window, source, "; ".join(n for n in notes if n))
 
     def override(self, now: float, *, slot: int | None = None, concurrency: int | None = None,
@@ -358,7 +360,7 @@ class LimitsLoop:
             spare = (node_rate - sum(alloc)) / n
             rates = [a + spare for a in alloc]
         # Slot overrides win.
-        sources = [source] * n
+        sources = [self._auto_source] * n
         for i, slot in enumerate(slots):
             ov = self._overrides.get(slot)
             if ov is not None:

@@ -62,6 +62,7 @@ class SimResult:
     epochs: list[int]
     timeouts: int
     statuses: dict[int, int]
+    probes: int
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -292,6 +293,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         shed_wait_max=max(shed_waits, default=0.0),
         shed_wait_p99=_pct(shed_waits, 0.99) if shed_waits else 0.0,
         limits=limits, baselines=baselines, rates=rates, epochs=epochs, timeouts=timeouts, statuses=statuses,
+        probes=0 if controller is None else controller.probes,
     )
 
 
