@@ -89,6 +89,7 @@ class GradientState(msgspec.Struct, kw_only=True):
     limit: float
     nominal_limit: float
     baseline_s: float | None
+    baseline_p50_s: float | None
     probing: bool
     probes: int
     windows: int
@@ -106,8 +107,9 @@ class GradientController:
         self.s = settings
         self._rng = rng or random.Random()
         self._limit = float(settings.initial_limit)
-        self._baselines: deque[float] = deque(maxlen=max(1, settings.baselines_kept))
-        self.baseline_s: float | None = None
+        self._baselines: deque[tuple[float, float]] = deque(maxlen=max(1, settings.baselines_kept))
+        self.baseline_s: float | None = None      # compared with the window sample
+        self.baseline_p50_s: float | None = None  # the probe's p50 (the gate's CoDel target)
         self.probes = 0
         self.windows = 0
         self.last_gradient: float | None = None
@@ -146,6 +148,7 @@ class GradientController:
     def state(self) -> GradientState:
         return GradientState(
             limit=self.limit, nominal_limit=self._limit, baseline_s=self.baseline_s,
+            baseline_p50_s=self.baseline_p50_s,
             probing=self._probing, probes=self.probes, windows=self.windows,
             last_gradient=self.last_gradient, last_sample_s=self.last_sample_s,
             last_reason=self.last_reason, next_probe_at=self._next_probe, floor_windows=self._floor_windows,
@@ -221,9 +224,11 @@ class GradientController:
         if n < s.probe_samples and not timed_out:
             return
         if n >= s.probe_samples or n >= s.probe_min_samples:
-            measured = quantile(sorted(self._probe_samples), s.probe_percentile or s.percentile)
-            self._baselines.append(measured)
-            self.baseline_s = min(self._baselines)
+            ordered = sorted(self._probe_samples)
+            measured = quantile(ordered, s.probe_percentile or s.percentile)
+            self._baselines.append((measured, quantile(ordered, 0.5)))
+            self.baseline_s = min(b for b, _ in self._baselines)
+            self.baseline_p50_s = min(p for _, p in self._baselines)
             self.last_reason = f"baseline {measured * 1e3:.1f} ms from {n} samples"
         elif self.baseline_s is None:
             return  # nothing to compare against yet: keep probing until traffic arrives

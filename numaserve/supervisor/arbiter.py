@@ -346,6 +346,7 @@ class Supervisor:
         popen, external, env = spawn(
             self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
+            node_cpus=self._node_cpus(slot.plan.node),
         )
         w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external, env=env)
         log.info(
@@ -361,6 +362,14 @@ class Supervisor:
         )
         self.publish("spawn", slot=slot.plan.slot, generation=slot.generation, pid=popen.pid)
         return w
+
+    def _node_cpus(self, node: int) -> tuple[int, ...]:
+        if self.topology is None:
+            return ()
+        try:
+            return self.topology.node(node).cpus
+        except KeyError:
+            return ()
 
     def _start_worker(self, slot: S.SlotState, now: float) -> None:
         try:
@@ -753,6 +762,20 @@ class Supervisor:
         """Slots that should receive new connections: a worker is serving there."""
         return [s.plan.slot for s in self.slots.values() if s.state == S.READY and not s.drained]
 
+    def _steering_status(self) -> dict[str, Any] | None:
+        if self.steering is None:
+            return None
+        out = self.steering.status()
+        local = remote = 0
+        for s in self.slots.values():
+            c = s.totals_before.combined(s.worker.stats if s.worker else None)["connections"]
+            local += c.get("local", 0)
+            remote += c.get("remote", 0)
+        out["connections_local"] = local
+        out["connections_remote"] = remote
+        out["locality_share"] = round(local / (local + remote), 4) if local + remote else None
+        return out
+
     def _steer(self) -> None:
         if self.steering is not None and not self.stopping:
             self.steering.update(self.healthy_slots())
@@ -903,7 +926,7 @@ class Supervisor:
                     for slot, ls in self.listeners.by_slot.items()
                 },
                 "bad_messages": self.bad_messages,
-                "steering": self.steering.status() if self.steering else None,
+                "steering": self._steering_status(),
                 "irq": self.irq_status,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),
                 "cmd": self.cfg.server.cmd,

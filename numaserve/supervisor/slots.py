@@ -33,10 +33,16 @@ class Totals:
     latency_count: int = 0
     latency_sum_ms: float = 0.0
     restarts_by_reason: dict[str, int] = field(default_factory=dict)
+    connections: dict[str, int] = field(default_factory=dict)   # local / remote / unknown
 
     def add_stats(self, stats: Stats | None) -> None:
         if stats is None:
             return
+        if isinstance(stats.extra, dict):
+            for k in ("local", "remote", "unknown"):
+                v = stats.extra.get(f"connections_{k}")
+                if isinstance(v, int):
+                    self.connections[k] = self.connections.get(k, 0) + v
         for k, v in stats.status_classes.items():
             self.status_classes[k] = self.status_classes.get(k, 0) + int(v)
         b = stats.extra.get("latency_buckets") if isinstance(stats.extra, dict) else None
@@ -51,9 +57,12 @@ class Totals:
     def combined(self, stats: Stats | None) -> dict[str, Any]:
         """These totals plus the live worker's own counters."""
         t = Totals(dict(self.status_classes), list(self.latency_buckets), self.latency_count,
-                   self.latency_sum_ms, dict(self.restarts_by_reason))
+                   self.latency_sum_ms, dict(self.restarts_by_reason), dict(self.connections))
         t.add_stats(stats)
+        known = t.connections.get("local", 0) + t.connections.get("remote", 0)
         return {
+            "connections": t.connections,
+            "locality_share": round(t.connections.get("local", 0) / known, 4) if known else None,
             "status_classes": t.status_classes,
             "latency_buckets": t.latency_buckets,
             "latency_count": t.latency_count,

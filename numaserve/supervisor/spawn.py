@@ -27,9 +27,11 @@ from numaserve.workerenv import slot_env
 CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
 
 
-def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Listener], control: str) -> WorkerSpec:
+def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Listener], control: str,
+                node_cpus: Iterable[int] = ()) -> WorkerSpec:
     s = cfg.server
     return WorkerSpec(
+        node_cpus=sorted(node_cpus),
         slot=plan.slot,
         node=plan.node,
         generation=generation,
@@ -142,6 +144,7 @@ def spawn(
     *,
     environ: Mapping[str, str] | None = None,
     all_gpus: Iterable[object] = (),
+    node_cpus: Iterable[int] = (),
 ) -> tuple[subprocess.Popen[bytes], bool, dict[str, str]]:
     """Start the slot's worker; returns (process, external?, variables numaserve set)."""
     base = os.environ if environ is None else environ
@@ -151,7 +154,7 @@ def spawn(
         spec = None
         external = True
     else:
-        spec = worker_spec(cfg, plan, generation, listeners, control)
+        spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus)
         argv = [sys.executable, "-m", "numaserve.worker"]
         external = False
     launch = build_launch_argv(

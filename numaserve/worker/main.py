@@ -262,31 +262,38 @@ class Worker:
         self._spawn(self._recv_loop())
         self._spawn(self._heartbeat_loop())
 
-        try:
-            sock = open_listener(spec.fd)
-        except OSError as e:
-            self.log.error("listener_unusable", fd=spec.fd, error=describe_exception(e))
-            return EXIT_ERROR, f"listener fd {spec.fd} unusable: {describe_exception(e)}"
+        socks = []
+        for fd in [spec.fd, *spec.extra_fds]:
+            try:
+                socks.append(open_listener(fd))
+            except OSError as e:
+                self.log.error("listener_unusable", fd=fd, error=describe_exception(e))
+                for s in socks:
+                    s.close()
+                return EXIT_ERROR, f"listener fd {fd} unusable: {describe_exception(e)}"
+        sock = socks[0]
 
         try:
             app = load_app(spec.app, spec.app_dir)
         except AppLoadError as e:
             self.log.error("app_load_failed", app=spec.app or "(demo)", error=str(e),
                            exc_info=e.__cause__ is not None)
-            sock.close()
+            for s in socks:
+                s.close()
             return EXIT_APP_LOAD_FAILED, f"app load failed: {e}"
 
         wrapped = MetricsMiddleware(
             BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats),
             self.stats, self.lifespan)
-        self.server = WorkerServer(build_config(spec, wrapped), on_started=self._on_started)
+        self.server = WorkerServer(build_config(spec, wrapped, stats=self.stats), on_started=self._on_started)
         await asyncio.sleep(0)  # let queued control messages (an early Stop) run
         if self._stop_deadline is not None:
-            sock.close()
+            for s in socks:
+                s.close()
             return EXIT_OK, self._stop_reason or "stopped"
         self._spawn(self._stats_loop())
         try:
-            await self.server.serve(sockets=[sock])
+            await self.server.serve(sockets=socks)
         except SystemExit as e:  # uvicorn's sys.exit(STARTUP_FAILURE) on lifespan failure
             if e.code == EXIT_APP_LOAD_FAILED:
                 why = (self.lifespan.startup_failed_message or self.lifespan.exception

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 import uvicorn
 
@@ -210,12 +210,48 @@ def _http_protocol(spec: WorkerSpec) -> Any:
     return spec.http  # "h11": h11's own max_incomplete_event_size applies
 
 
-def build_config(spec: WorkerSpec, app: Any) -> uvicorn.Config:
+SO_INCOMING_CPU = getattr(socket, "SO_INCOMING_CPU", 49)
+
+
+def with_locality(protocol: Any, stats: Any, node_cpus: Sequence[int]) -> Any:
+    """Wrap an HTTP protocol class to count connections by receiving CPU.
+
+    ``SO_INCOMING_CPU`` on an accepted socket is the CPU that processed its
+    packets (the RX softirq): a connection is *local* when that CPU belongs
+    to this worker's node.  This is what NUMA steering optimises; status and
+    metrics report the share.
+    """
+    if isinstance(protocol, str):
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        protocol = H11Protocol
+    local = frozenset(node_cpus)
+
+    class LocalityCounting(protocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            sock = transport.get_extra_info("socket")
+            cpu = None
+            if sock is not None:
+                try:
+                    cpu = sock.getsockopt(socket.SOL_SOCKET, SO_INCOMING_CPU)
+                except OSError:
+                    cpu = None
+            stats.connection_accepted(None if cpu is None or not local else cpu in local)
+            super().connection_made(transport)
+
+    LocalityCounting.__name__ = f"LocalityCounting{protocol.__name__}"
+    return LocalityCounting
+
+
+def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None) -> uvicorn.Config:
     """The uvicorn Config for this worker (logging left to us: ``log_config=None``)."""
+    http = _http_protocol(spec)
+    if stats is not None:
+        http = with_locality(http, stats, spec.node_cpus)
     return uvicorn.Config(
         app,
         lifespan="auto",
-        http=_http_protocol(spec),
+        http=http,
         loop="none",  # we run the loop ourselves
         timeout_keep_alive=spec.keepalive_timeout,  # type: ignore[arg-type]  # float works
         timeout_graceful_shutdown=spec.graceful_timeout,  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     node: int
     generation: int
     cpus: list[int]
+    node_cpus: list[int] = []      # every CPU of the slot's node (for connection locality)
     mempolicy: str                 # bind | preferred | interleave | local
     memory_nodes: list[int]
     fd: int                        # inherited listener socket (supervisor keeps its own ref)

@@ -174,6 +174,17 @@ class WorkerStats:
         self.draining = False
         self.rejected_body_too_large = 0
         self.rejected_read_timeout = 0
+        self.conn_local = 0          # accepted on a CPU of this worker's node
+        self.conn_remote = 0
+        self.conn_unknown = 0
+
+    def connection_accepted(self, local: bool | None) -> None:
+        if local is None:
+            self.conn_unknown += 1
+        elif local:
+            self.conn_local += 1
+        else:
+            self.conn_remote += 1
 
     def request_started(self) -> None:
         self.inflight += 1
@@ -207,5 +218,8 @@ class WorkerStats:
                 "latency_sum_ms": round(self.cumulative.sum_ms, 3),
                 "rejected_body_too_large": self.rejected_body_too_large,
                 "rejected_read_timeout": self.rejected_read_timeout,
+                "connections_local": self.conn_local,
+                "connections_remote": self.conn_remote,
+                "connections_unknown": self.conn_unknown,
             },
         }

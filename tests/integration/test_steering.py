@@ -69,6 +69,12 @@ def test_numa_steering_serves_on_the_receiving_node(tmp_path: Path) -> None:
         sup.wait_for(lambda st: st["supervisor"]["steering"]["healthy_slots"] == [0, 1], 10, "steering restored")
         after = served_nodes(sup.port, cpus[1], 100)
         assert after[1] >= 99, after
+        # status reports the share of connections accepted on their receiving node
+        st = sup.wait_for(lambda st: (st["supervisor"]["steering"]["connections_local"] or 0) >= 200, 10,
+                          "locality counted")
+        steer = st["supervisor"]["steering"]
+        assert steer["locality_share"] >= 0.8, steer
+        assert all(s["totals"]["locality_share"] is not None for s in st["slots"])
 
 
 def test_hash_steering_spreads_regardless_of_cpu(tmp_path: Path) -> None:
@@ -77,3 +83,6 @@ def test_hash_steering_spreads_regardless_of_cpu(tmp_path: Path) -> None:
     with Running(["--declared", str(declared), "--steering", "hash", "--bind", "127.0.0.1:0"]) as sup:
         got = served_nodes(sup.port, cpus[0], 200)
         assert 40 <= got[1] <= 160, got      # about half land on the other node
+        st = sup.wait_for(lambda st: (st["supervisor"]["steering"]["connections_local"] or 0)
+                          + (st["supervisor"]["steering"]["connections_remote"] or 0) >= 190, 10, "counted")
+        assert 0.2 <= st["supervisor"]["steering"]["locality_share"] <= 0.8, st["supervisor"]["steering"]

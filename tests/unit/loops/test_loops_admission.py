@@ -245,6 +245,7 @@ def test_asyncio_gate_wrapper() -> None:
         assert exc.value.status in (503, 504)
         await hold
         # A cancelled waiter leaves the queue.
+        m.s = AdmissionSettings(static_limit=1, max_wait_factor=0.0)
         hold = asyncio.create_task(job("d", 0.05))
         await asyncio.sleep(0)
         waiter = asyncio.create_task(job("e", 0.0))

@@ -1,0 +1,305 @@
+"""Admin HTTP endpoint of the supervisor: ``/metrics``, ``/healthz``, ``/readyz``.
+
+Served by uvicorn *inside the supervisor's asyncio loop* on a socket the
+supervisor binds before any worker starts (a bad ``[admin] bind`` fails the
+start with a clear message, not a half-running service).  No thread, no
+process: a wedged loop stops answering here too, which is what an HTTP
+prober should see.
+
+* ``/healthz`` — 200 while the supervision loop ticks (its heartbeat is fresh)
+  and the supervisor is not stopping; 503 otherwise.  "Alive" is the loop's
+  heartbeat, not "the HTTP server answers": the server runs as another task
+  and keeps answering when the main loop coroutine is stuck on an await.
+* ``/readyz`` — 200 when every non-drained slot is ready; 503 with the
+  unready slots as JSON otherwise (and while stopping, so a load balancer
+  takes the instance out before its workers drain).
+* ``/metrics`` — Prometheus text from a registry holding only our collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Generator, Mapping, Protocol
+
+import msgspec
+import structlog
+import uvicorn
+
+from numaserve.config import parse_bind
+from numaserve.errors import NumaserveError
+from numaserve.supervisor.metrics import NumaserveCollector, make_registry, unready_slots
+
+__all__ = [
+    "AdminConfig",
+    "AdminHandle",
+    "LoopHeartbeat",
+    "build_app",
+    "open_admin_socket",
+    "start_admin",
+]
+
+log = structlog.get_logger("numaserve.admin")
+
+#: The supervision loop ticks at least every 0.2 s; 5 s without a tick is never normal.
+HEARTBEAT_STALE_S = 5.0
+
+Scope = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+
+
+class AdminConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``[admin]`` config section.
+
+    ``bind``: HOST:PORT of the admin HTTP endpoint; loopback by default (the
+    metrics show the deployment's shape, keep them off public interfaces);
+    "" disables it, like ``enabled = false``.  Port 0 picks a free port
+    (shown in ``numaserve status`` as ``supervisor.admin``).
+    """
+
+    enabled: bool = True
+    bind: str = "127.0.0.1:9180"
+
+
+class SupervisorView(Protocol):
+    """What the admin app needs from the supervisor (a fake in tests)."""
+
+    stopping: bool
+    state: str
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class LoopHeartbeat:
+    """Monotonic time of the supervision loop's last tick (``beat()`` once per tick)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.last = clock()
+
+    def beat(self) -> None:
+        self.last = self._clock()
+
+    def age(self) -> float:
+        return max(0.0, self._clock() - self.last)
+
+
+# ----------------------------------------------------------------------- app
+
+
+def _json(status: int, body: Mapping[str, Any]) -> tuple[int, bytes, bytes]:
+    return status, json.dumps(body, default=str).encode() + b"\n", b"application/json"
+
+
+def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: float = HEARTBEAT_STALE_S,
+              cpu_node: Mapping[int, int] | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The ASGI app (plain ASGI: no framework in the supervisor)."""
+
+    def snapshot() -> dict[str, Any]:
+        snap = sup.status()
+        sv = snap.get("supervisor")
+        if isinstance(sv, dict):
+            sv["loop_heartbeat_age_s"] = round(heartbeat.age(), 3)
+        return snap
+
+    collector = NumaserveCollector(snapshot, cpu_node=cpu_node)
+    registry = make_registry(collector)
+
+    def metrics() -> tuple[int, bytes, bytes]:
+        from prometheus_client import exposition
+
+        # every name is a classic one, so the 0.0.4 text format that every Prometheus reads
+        ctype = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
+        return 200, exposition.generate_latest(registry), ctype.encode()
+
+    def healthz() -> tuple[int, bytes, bytes]:
+        age = heartbeat.age()
+        stopping = bool(getattr(sup, "stopping", False))
+        body: dict[str, Any] = {"state": getattr(sup, "state", None), "loop_heartbeat_age_s": round(age, 3)}
+        if stopping:
+            return _json(503, {"status": "unhealthy", "reason": "stopping", **body})
+        if age > stale_after:
+            return _json(503, {"status": "unhealthy",
+                               "reason": f"supervision loop has not ticked for {age:.1f}s (limit {stale_after:g}s)",
+                               **body})
+        return _json(200, {"status": "ok", **body})
+
+    def readyz() -> tuple[int, bytes, bytes]:
+        if getattr(sup, "stopping", False):
+            return _json(503, {"status": "not ready", "reason": "stopping", "unready": []})
+        try:
+            unready = unready_slots(sup.status())
+        except Exception as e:  # never a 500 from a probe: say why
+            return _json(503, {"status": "not ready", "reason": f"status unavailable: {e!r}", "unready": []})
+        if unready:
+            return _json(503, {"status": "not ready", "unready": unready})
+        return _json(200, {"status": "ready"})
+
+    routes: dict[str, Callable[[], tuple[int, bytes, bytes]]] = {
+        "/metrics": metrics, "/healthz": healthz, "/readyz": readyz,
+    }
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan is off; anything else is not for us
+            return
+        handler = routes.get(scope.get("path", ""))
+        method = scope.get("method", "GET")
+        headers: list[tuple[bytes, bytes]] = []
+        if handler is None:
+            status, body, ctype = 404, b"not found: try /metrics, /healthz or /readyz\n", b"text/plain"
+        elif method not in ("GET", "HEAD"):
+            status, body, ctype = 405, b"method not allowed\n", b"text/plain"
+            headers.append((b"allow", b"GET, HEAD"))
+        else:
+            try:
+                status, body, ctype = handler()
+            except Exception as e:
+                log.warning("admin_handler_failed", path=scope.get("path"), error=repr(e))
+                status, body, ctype = 500, b"internal error\n", b"text/plain"
+        headers += [(b"content-type", ctype), (b"content-length", str(len(body)).encode()),
+                    (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+
+    return app
+
+
+# -------------------------------------------------------------------- server
+
+
+class AdminServer(uvicorn.Server):
+    """uvicorn.Server that leaves signals to the supervisor (as the worker's server does)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn >= 0.29 installs SIGINT/SIGTERM handlers here; the supervisor owns them."""
+        yield
+
+    def install_signal_handlers(self) -> None:
+        """Same for uvicorn < 0.29."""
+
+
+def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
+    """Bind and listen (call before any worker exists); None when disabled.
+
+    Raises NumaserveError naming the key and the fix.
+    """
+    if not cfg.enabled or not cfg.bind:
+        return None
+    try:
+        host, port = parse_bind(cfg.bind)
+    except ValueError as e:
+        raise NumaserveError(f"admin.bind = {cfg.bind!r}: {e}") from None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise NumaserveError(f"admin.bind = {cfg.bind!r}: cannot resolve {host}: {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise NumaserveError(
+            f"admin.bind = {cfg.bind!r}: cannot listen: {e.strerror} "
+            '(another process holds the port? set [admin] bind = "" to disable the admin endpoint)'
+        ) from None
+    return sock  # non-inheritable (PEP 446): workers never get it
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
+
+
+@dataclass
+class AdminHandle:
+    """A running admin server; ``stop()`` once at supervisor exit."""
+
+    server: AdminServer
+    task: asyncio.Task[None]
+    sock: socket.socket
+    address: str
+    heartbeat: LoopHeartbeat
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    async def stop(self, timeout: float = 3.0) -> None:
+        """Stop accepting, let in-flight scrapes finish (bounded), close the socket."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        except asyncio.CancelledError:
+            if not self.task.cancelled():
+                raise  # our caller is being cancelled: not ours to swallow
+        except asyncio.TimeoutError:
+            self.server.force_exit = True
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+        except Exception as e:
+            log.warning("admin_stop_error", error=repr(e))
+        self.sock.close()
+
+
+async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.socket | None = None,
+                      heartbeat: LoopHeartbeat | None = None, stale_after: float = HEARTBEAT_STALE_S,
+                      cpu_node: Mapping[int, int] | None = None) -> AdminHandle | None:
+    """Serve the admin app in the running loop; None when disabled.
+
+    ``sock`` is the socket from ``open_admin_socket`` (bound early); without it
+    one is bound here.  ``heartbeat`` defaults to ``sup.heartbeat``.
+    """
+    if sock is None:
+        sock = open_admin_socket(cfg)
+    if sock is None:
+        return None
+    hb = heartbeat or getattr(sup, "heartbeat", None) or LoopHeartbeat()
+    if cpu_node is None:
+        topo = getattr(sup, "topology", None)
+        cpu_node = topo.cpu_node() if topo is not None else None
+    app = build_app(sup, hb, stale_after=stale_after, cpu_node=cpu_node)
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        http="h11",              # small, strict parser; scrapes are tiny
+        ws="none",
+        interface="asgi3",
+        loop="none",             # the supervisor's loop
+        log_config=None,         # the supervisor configured logging (structlog)
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=2,
+        limit_concurrency=32,    # bounded: a scrape storm must not starve the supervision loop
+        server_header=False,
+    )
+    server = AdminServer(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="admin-http")
+    deadline = time.monotonic() + 5.0
+    while not server.started and not task.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    if not server.started:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        sock.close()
+        raise NumaserveError(f"admin endpoint on {cfg.bind} did not start")
+    handle = AdminHandle(server=server, task=task, sock=sock, address=_address(sock), heartbeat=hb)
+    log.info("admin_listening", address=handle.address, paths=["/metrics", "/healthz", "/readyz"])
+    return handle
