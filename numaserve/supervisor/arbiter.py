@@ -132,6 +132,10 @@ class Supervisor:
         self.fatal: str | None = None
         self.all_ready_logged = False
         self.bad_messages = 0
+        self._acks: dict[tuple[str, int, int], asyncio.Future[m.Ack]] = {}
+        # settings every worker must have (cache version, limits ...): replayed to
+        # each new worker right after its Hello, so it starts at the current epoch
+        self.sticky: dict[str, dict[str, Any]] = {}
         self.wake = asyncio.Event()
         self.notifier = Notifier()
         self.last_status_line = ""
@@ -650,6 +654,10 @@ class Supervisor:
                 log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
             if self.stopping and w.stop_sent is None:
                 self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
+                return
+            for name, args in self.sticky.items():
+                cmd = m.Command(id=f"sticky-{name}-{uuid.uuid4().hex[:6]}", name=name, args=args)
+                asyncio.get_running_loop().create_task(self._send(w, cmd))
             return
         if w.identity is None or identity != w.identity:
             self._bad("control", "message before hello or from another identity")
@@ -668,6 +676,9 @@ class Supervisor:
             log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=msg.reason)
         elif isinstance(msg, m.Ack):
             log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
+            fut = self._acks.pop((msg.ref, msg.slot, msg.generation), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     async def _send(self, w: S.WorkerProc, msg: m.Msg) -> bool:
         if w.identity is None or self.ctl is None:
@@ -677,6 +688,42 @@ class Supervisor:
             return True
         except zmq.ZMQError:
             return False
+
+    async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
+                        sticky: bool = False) -> dict[str, Any]:
+        """Send ``Command(name, args)`` to every live worker and wait for each Ack.
+
+        ``sticky``: remember it so workers started later get it too (settings
+        with an epoch). Returns per slot: pid, generation, ok, detail; a worker
+        that does not answer within ``timeout`` is reported, not waited for.
+        """
+        if sticky:
+            self.sticky[name] = dict(args)
+        cid = uuid.uuid4().hex[:12]
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[S.SlotState, S.WorkerProc, asyncio.Future[m.Ack]]] = []
+        for slot in self.slots.values():
+            for w in (slot.worker, slot.incoming):
+                if w is None or w.identity is None or w.external or w.popen.poll() is not None:
+                    continue
+                fut: asyncio.Future[m.Ack] = loop.create_future()
+                self._acks[(cid, slot.plan.slot, w.generation)] = fut
+                await self._send(w, m.Command(id=cid, name=name, args=args))
+                waits.append((slot, w, fut))
+        results: dict[str, Any] = {}
+        if waits:
+            await asyncio.wait([f for _, _, f in waits], timeout=timeout)
+        for slot, w, fut in waits:
+            self._acks.pop((cid, slot.plan.slot, w.generation), None)
+            key = str(slot.plan.slot) if w is slot.worker else f"{slot.plan.slot}/incoming"
+            if fut.done():
+                ack = fut.result()
+                results[key] = {"pid": w.pid, "generation": w.generation, "ok": ack.ok, "detail": ack.detail}
+            else:
+                fut.cancel()
+                results[key] = {"pid": w.pid, "generation": w.generation, "ok": False,
+                                "detail": f"no ack within {timeout:g}s"}
+        return results
 
     def publish(self, event: str, *, topic: bytes = b"event", **fields: Any) -> None:
         """Events and stats on the PUB stream (``events.sock``): topic, then JSON."""
