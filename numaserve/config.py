@@ -23,6 +23,10 @@ import msgspec
 
 from numaserve.errors import ConfigError
 from numaserve.irq import IrqSettings
+from numaserve.loops.admission import AdmissionSettings
+from numaserve.loops.gradient import GradientSettings
+from numaserve.loops.leak import LeakSettings
+from numaserve.loops.supervisor_limits import LimitsSettings
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
@@ -126,6 +130,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     irq: IrqSettings = msgspec.field(default_factory=IrqSettings)
+    admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+    gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
+    limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
+    leak: LeakSettings = msgspec.field(default_factory=LeakSettings)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:

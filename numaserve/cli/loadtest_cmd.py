@@ -161,7 +161,9 @@ def format_summary(res: LoadResult, cfg: LoadConfig | None = None, *, histogram:
     if res.non_2xx:
         codes = ", ".join(f"{s}: {n}" for s, n in sorted(res.status_counts.items()) if not 200 <= s < 300)
         out.append(f"  Non-2xx responses: {res.non_2xx} ({codes})")
-    if res.error_count:
+    if not res.error_count:
+        out.append("  Socket errors: none")
+    else:
         out.append("  Socket errors: " + ", ".join(f"{k} {res.errors[k]}" for k in ERROR_KINDS))
         for k in ERROR_KINDS:
             if k in res.error_samples:

@@ -62,6 +62,8 @@ _L1_OUTCOME: dict[str, L1Outcome] = {"ok": "ok", "dropped": "dropped", "ignored"
 class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The worker-side L0 gate (FACTS-limits-leaks §9.2)."""
 
+    enabled: bool = True                 # admission control in front of every worker's app
+    request_timeout_s: float = 0.0       # deadline per request when the client sends none (0: none)
     queue_factor: float = 1.0            # wait-queue bound = ceil(factor × limit)
     queue_max: int = 4096                # absolute bound of the wait queue
     lifo_when_overloaded: bool = True

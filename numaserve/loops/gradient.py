@@ -63,7 +63,7 @@ class GradientSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     probe_interval_s: float = 60.0       # 0: probe only when asked or forced
     probe_jitter: float = 0.15           # + U(0, jitter) × interval
     probe_samples: int = 50
-    probe_percentile: float | None = None  # baseline quantile of the probe; None = ``percentile``
+    probe_percentile: float = 0.0  # baseline quantile of the probe; 0 = same as ``percentile``
     probe_fraction: float = 0.25         # probe limit = max(floor, ceil(fraction × L))
     probe_max_s: float = 10.0            # give up a probe after this long ...
     probe_min_samples: int = 10          # ... using what it has if at least this many
@@ -73,7 +73,7 @@ class GradientSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def __post_init__(self) -> None:
         if not 1 <= self.min_limit <= self.initial_limit <= self.max_limit:
             raise ValueError("need 1 ≤ min_limit ≤ initial_limit ≤ max_limit")
-        if not (0 < self.percentile < 1 and 0 < (self.probe_percentile or 0.5) < 1):
+        if not (0 < self.percentile < 1 and 0 <= self.probe_percentile < 1):
             raise ValueError("percentiles must be in (0, 1)")
         if not 0 < self.gradient_min <= 1 <= self.gradient_max:
             raise ValueError("need 0 < gradient_min ≤ 1 ≤ gradient_max")

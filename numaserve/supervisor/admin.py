@@ -28,11 +28,12 @@ from typing import Any, Awaitable, Callable, Generator, Mapping, Protocol
 
 import msgspec
 import structlog
-import uvicorn
 
-from numaserve.config import parse_bind
 from numaserve.errors import NumaserveError
-from numaserve.supervisor.metrics import NumaserveCollector, make_registry, unready_slots
+
+# uvicorn, prometheus_client and the collector are imported when the endpoint
+# starts: numaserve.config imports AdminConfig from here, and every CLI
+# command imports numaserve.config.
 
 __all__ = [
     "AdminConfig",
@@ -99,6 +100,7 @@ def _json(status: int, body: Mapping[str, Any]) -> tuple[int, bytes, bytes]:
 def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: float = HEARTBEAT_STALE_S,
               cpu_node: Mapping[int, int] | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The ASGI app (plain ASGI: no framework in the supervisor)."""
+    from numaserve.supervisor.metrics import NumaserveCollector, make_registry, unready_slots
 
     def snapshot() -> dict[str, Any]:
         snap = sup.status()
@@ -172,16 +174,20 @@ def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: flo
 # -------------------------------------------------------------------- server
 
 
-class AdminServer(uvicorn.Server):
+def _server_class() -> type[Any]:
     """uvicorn.Server that leaves signals to the supervisor (as the worker's server does)."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        """uvicorn >= 0.29 installs SIGINT/SIGTERM handlers here; the supervisor owns them."""
-        yield
+    class AdminServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            """uvicorn >= 0.29 installs SIGINT/SIGTERM handlers here; the supervisor owns them."""
+            yield
 
-    def install_signal_handlers(self) -> None:
-        """Same for uvicorn < 0.29."""
+        def install_signal_handlers(self) -> None:
+            """Same for uvicorn < 0.29."""
+
+    return AdminServer
 
 
 def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
@@ -189,6 +195,8 @@ def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
 
     Raises NumaserveError naming the key and the fix.
     """
+    from numaserve.config import parse_bind
+
     if not cfg.enabled or not cfg.bind:
         return None
     try:
@@ -225,7 +233,7 @@ def _address(sock: socket.socket) -> str:
 class AdminHandle:
     """A running admin server; ``stop()`` once at supervisor exit."""
 
-    server: AdminServer
+    server: Any          # uvicorn.Server subclass (see _server_class)
     task: asyncio.Task[None]
     sock: socket.socket
     address: str
@@ -273,6 +281,8 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
     if cpu_node is None:
         topo = getattr(sup, "topology", None)
         cpu_node = topo.cpu_node() if topo is not None else None
+    import uvicorn
+
     app = build_app(sup, hb, stale_after=stale_after, cpu_node=cpu_node)
     config = uvicorn.Config(
         app,
@@ -289,7 +299,7 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
         limit_concurrency=32,    # bounded: a scrape storm must not starve the supervision loop
         server_header=False,
     )
-    server = AdminServer(config)
+    server = _server_class()(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="admin-http")
     deadline = time.monotonic() + 5.0
     while not server.started and not task.done() and time.monotonic() < deadline:

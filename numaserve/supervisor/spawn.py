@@ -54,6 +54,8 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         read_timeout=s.read_timeout,
         max_connections=s.max_connections,
         access_log=s.access_log,
+        admission=cfg.admission,
+        gradient=cfg.gradient,
         log_level=cfg.log.level,
         log_format="json" if cfg.log.format == "auto" else cfg.log.format,
     )

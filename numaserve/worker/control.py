@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import zmq
 import zmq.asyncio
@@ -103,6 +103,8 @@ class WorkerActions(Protocol):
 
     def request_drain(self, deadline: float) -> None: ...
 
+    def set_limits(self, args: dict[str, Any]) -> tuple[bool, str]: ...
+
 
 def _malloc_trim() -> bool:
     try:
@@ -159,6 +161,9 @@ class CommandDispatcher:
     def _command(self, cmd: Command) -> None:
         if cmd.name == "ping":
             self._ack(cmd.id)
+        elif cmd.name == "set_limits":
+            ok, detail = self.actions.set_limits(cmd.args)
+            self._ack(cmd.id, ok=ok, detail=detail)
         elif cmd.name == "trim":
             collected = gc.collect()
             trimmed = _malloc_trim()

@@ -98,6 +98,7 @@ class Worker:
         self.channel: ControlChannel | None = None
         self.dispatcher: CommandDispatcher | None = None
         self.server: WorkerServer | None = None
+        self.admission: Any = None  # AdmissionMiddleware when [admission] enabled
         self.orphaned = False
         self._stop_deadline: float | None = None  # time.monotonic() value
         self._stop_reason: str | None = None
@@ -113,6 +114,23 @@ class Worker:
     def request_drain(self, deadline: float) -> None:
         """Same sequence as stop; the worker exits as soon as in-flight reaches 0."""
         self._begin_stop(deadline, "drained")
+
+    def set_limits(self, args: dict[str, Any]) -> tuple[bool, str]:
+        """Apply limits pushed by the supervisor (carries an epoch; stale epochs refused)."""
+        if self.admission is None:
+            return False, "admission disabled in this worker"
+        try:
+            epoch = int(args["epoch"])
+            kw: dict[str, Any] = {}
+            for key in ("rate", "burst", "concurrency", "safe_concurrency"):
+                if args.get(key) is not None:
+                    kw[key] = float(args[key]) if key in ("rate", "burst") else int(args[key])
+            if args.get("lease_s") is not None:
+                kw["lease_expiry"] = self.admission.gate.clock() + float(args["lease_s"])
+        except (KeyError, TypeError, ValueError) as e:
+            return False, f"bad set_limits arguments: {e}"
+        ok = self.admission.gate.set_limits(epoch, **kw)
+        return ok, f"epoch {epoch} {'applied' if ok else 'stale: kept ' + str(self.admission.gate.machine.epoch)}"
 
     def _begin_stop(self, deadline: float, reason: str) -> None:
         end = time.monotonic() + deadline
@@ -193,6 +211,12 @@ class Worker:
                 extra["control_bad_frames"] = self.dispatcher.bad_frames
             if self.channel is not None:
                 extra["control_dropped"] = self.channel.dropped
+            if self.admission is not None:
+                gate = self.admission.snapshot()
+                extra["admission"] = gate
+                snap["queued"] = gate["queued"]
+                snap["shed"] = sum(gate["shed"].values())
+                snap["limits_epoch"] = gate["epoch"]
             self._post(Stats(slot=spec.slot, generation=spec.generation, **snap))
 
     async def _recv_loop(self) -> None:
@@ -282,9 +306,15 @@ class Worker:
                 s.close()
             return EXIT_APP_LOAD_FAILED, f"app load failed: {e}"
 
-        wrapped = MetricsMiddleware(
-            BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats),
-            self.stats, self.lifespan)
+        inner: Any = BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats)
+        if spec.admission.enabled:
+            from numaserve.worker.admission_mw import AdmissionMiddleware, make_gate, tick_forever
+
+            self.admission = AdmissionMiddleware(inner, make_gate(spec.admission, spec.gradient),
+                                                 default_timeout_s=spec.admission.request_timeout_s)
+            inner = self.admission
+            self._spawn(tick_forever(self.admission.gate))
+        wrapped = MetricsMiddleware(inner, self.stats, self.lifespan)
         self.server = WorkerServer(build_config(spec, wrapped, stats=self.stats), on_started=self._on_started)
         await asyncio.sleep(0)  # let queued control messages (an early Stop) run
         if self._stop_deadline is not None:

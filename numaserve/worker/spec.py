@@ -6,6 +6,9 @@ import os
 
 import msgspec
 
+from numaserve.loops.admission import AdmissionSettings
+from numaserve.loops.gradient import GradientSettings
+
 SPEC_ENV = "NUMASERVE_WORKER_SPEC"
 
 
@@ -33,6 +36,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     read_timeout: float = 30.0
     max_connections: int = 0
     access_log: bool = False
+    admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+    gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
     log_level: str = "info"
     log_format: str = "json"
 

@@ -460,8 +460,8 @@ def test_operations_counted_once_per_id() -> None:
     scrape(c)
     text = scrape(c)
     assert value(text, "numaserve_operations_total", kind="reload", result="succeeded") == 1
-    snap["operations"] = snap["operations"][1:] + [{"id": "a4", "kind": "reload", "state": "succeeded"},
-                                                   {"id": "a5", "kind": "reload", "state": "succeeded"}]
+    snap["operations"] = snap["operations"][1:3] + [{"id": "a4", "kind": "reload", "state": "succeeded"},
+                                                    {"id": "a5", "kind": "reload", "state": "succeeded"}]
     text = scrape(c)
     assert value(text, "numaserve_operations_total", kind="reload", result="succeeded") == 3
     assert value(text, "numaserve_operations_running") == 0
@@ -617,11 +617,71 @@ def test_admin_disabled_and_bad_bind() -> None:
 
 
 DASHBOARD = REPO / "config" / "grafana-dashboard.json"
-_PROMQL_KEYWORDS = {"sum", "rate", "irate", "increase", "histogram_quantile", "by", "without", "max", "min",
-                    "avg", "count", "on", "ignoring", "group_left", "group_right", "offset", "and", "or",
-                    "unless", "topk", "bottomk", "deriv", "delta", "abs", "clamp_min", "clamp_max", "le",
-                    "changes", "resets", "time", "vector", "scalar", "label_replace", "bool", "avg_over_time",
-                    "max_over_time", "min_over_time", "last_over_time", "absent"}
+
+_FUNCTIONS = {"sum", "rate", "irate", "increase", "histogram_quantile", "max", "min", "avg", "count", "topk",
+              "bottomk", "deriv", "delta", "abs", "clamp_min", "clamp_max", "changes", "resets", "time", "vector",
+              "scalar", "label_replace", "avg_over_time", "max_over_time", "min_over_time", "last_over_time",
+              "absent", "quantile"}
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "and", "or", "unless",
+             "bool"}
+_TOKEN = re.compile(
+    r'(?P<ws>\s+)|(?P<str>"(?:[^"\\]|\\.)*")|(?P<range>\[\d+[smhdwy]\])|(?P<num>\d+(?:\.\d+)?)'
+    r'|(?P<op>=~|!~|!=|==|>=|<=|[-+*/%^<>=])|(?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)|(?P<punct>[(){},])'
+)
+
+
+def parse_promql(expr: str) -> list[str]:
+    """A small PromQL checker (promtool is not installed here): tokens, nesting, known
+    functions, label matchers, range selectors, grouping clauses.  Returns the metric
+    names used; raises AssertionError on a malformed expression."""
+    e = expr.replace("$__rate_interval", "1m").replace("$__interval", "1m")
+    m = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*", e)   # a Grafana variable query
+    if m:
+        e = m.group(1)
+    toks: list[tuple[str, str]] = []
+    pos = 0
+    while pos < len(e):
+        mt = _TOKEN.match(e, pos)
+        assert mt, f"cannot tokenize at {e[pos:pos + 20]!r} in {expr!r}"
+        pos = mt.end()
+        if mt.lastgroup != "ws":
+            toks.append((mt.lastgroup or "", mt.group()))
+    stack: list[str] = []     # "(", "{", or "g" for a grouping list after by/without
+    names: list[str] = []
+    for i, (kind, text) in enumerate(toks):
+        nxt = toks[i + 1][1] if i + 1 < len(toks) else ""
+        prev = toks[i - 1] if i else ("", "")
+        if text == "(":
+            stack.append("g" if prev[1] in ("by", "without", "on", "ignoring") else "(")
+        elif text == "{":
+            stack.append("{")
+        elif text in ")}":
+            top = stack.pop() if stack else None
+            assert top == "{" if text == "}" else top in ("(", "g"), f"unbalanced {text} in {expr!r}"
+        elif kind == "range":
+            assert prev[1] == "}" or prev[0] == "ident", f"range without a selector in {expr!r}"
+        elif kind == "ident" and stack and stack[-1] == "{":
+            assert nxt in ("=", "!=", "=~", "!~"), f"bad label matcher at {text!r} in {expr!r}"
+            assert i + 2 < len(toks) and toks[i + 2][0] == "str", f"label {text} needs a quoted value in {expr!r}"
+        elif kind == "ident" and stack and stack[-1] == "g":
+            assert nxt in (",", ")"), f"grouping list: {expr!r}"
+        elif kind == "ident":
+            if nxt == "(" or nxt in ("by", "without"):
+                assert text in _FUNCTIONS or text in _KEYWORDS, f"unknown function {text} in {expr!r}"
+            elif text not in _KEYWORDS:
+                assert text.startswith("numaserve_"), f"{text}: not a numaserve metric in {expr!r}"
+                names.append(text)
+    assert not stack, f"unclosed {stack} in {expr!r}"
+    return names
+
+
+def test_promql_checker_catches_mistakes() -> None:
+    assert parse_promql('sum by (le) (rate(numaserve_x_bucket{a=~"$b"}[$__rate_interval]))') == [
+        "numaserve_x_bucket"]
+    for bad in ('sum(rate(numaserve_x[1m])', 'numaserve_x{a="b"', 'numaserve_x{a}', 'rte(numaserve_x[1m])',
+                'sum by (x) (up)', 'numaserve_x{a="b"}]'):
+        with pytest.raises(AssertionError):
+            parse_promql(bad)
 
 
 def _dashboard_exprs(dash: dict[str, Any]) -> list[str]:
@@ -658,8 +718,7 @@ def test_dashboard_is_valid_and_queries_only_exported_metrics() -> None:
     exposed = _exposed_names(scrape(NumaserveCollector(full_snapshot, cpu_node=cpu_node())))
     referenced = set()
     for e in exprs:
-        assert e.count("(") == e.count(")") and e.count("{") == e.count("}"), e
-        for name in re.findall(r"\bnumaserve_[a-zA-Z0-9_]+", e):
+        for name in parse_promql(e):
             referenced.add(name)
             assert name in exposed, f"dashboard queries {name}, which the collector does not export ({e})"
     ids = [p["id"] for p in dash["panels"]]
@@ -674,17 +733,3 @@ def test_dashboard_is_valid_and_queries_only_exported_metrics() -> None:
                    "numaserve_binding_verified", "numaserve_accept_queue_depth",
                    "numaserve_steering_locality_ratio", "numaserve_slot_state"):
         assert needed in referenced, f"no panel shows {needed}"
-
-
-def test_dashboard_promql_parses_with_promtool_when_available() -> None:
-    import shutil
-
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed")
-    dash = json.loads(DASHBOARD.read_text())
-    for e in _dashboard_exprs(dash):
-        e = e.replace("$__rate_interval", "1m").replace("$node", "0").replace("$slot", "0")
-        e = re.sub(r"\$\{?\w+\}?", "x", e)
-        r = subprocess.run([promtool, "promql", "format", e], capture_output=True, text=True)  # pragma: no cover
-        assert r.returncode == 0, (e, r.stderr)

@@ -136,7 +136,7 @@ def test_settings_validation() -> None:
         GradientSettings(min_limit=10, initial_limit=5)
     with pytest.raises(ValueError):
         GradientSettings(percentile=1.5)
-    assert GradientSettings().probe_percentile is None  # like-for-like with ``percentile``
+    assert not GradientSettings().probe_percentile  # like-for-like with ``percentile``
 
 
 @settings(max_examples=60, deadline=None)
