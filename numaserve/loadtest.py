@@ -774,7 +774,7 @@ class _Run:
         pool = _Pool(self.cfg.clients)
         rng = random.Random(self.cfg.seed)
         rate = float(self.cfg.rate or 1.0)
-        gap = (lambda: rng.expovariate(rate)) if self.cfg.arrivals == "poisson" else (lambda: 1.0 / rate)
+        poisson = self.cfg.arrivals == "poisson"
         limit = self.cfg.requests if self.cfg.requests is not None else math.inf
         tasks: set[asyncio.Task[Any]] = set()
         nxt = start
@@ -786,7 +786,8 @@ class _Run:
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                     self.sent += 1
-                    nxt += gap()
+                    # uniform: computed, not summed, so rate x duration arrivals exactly
+                    nxt = nxt + rng.expovariate(rate) if poisson else start + self.sent / rate
                 delay = nxt - time.perf_counter()
                 await asyncio.sleep(delay if delay > 0.0005 else 0)
             if tasks:

@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "operation": "numaserve.cli.ops_cmd:operation",
     "top": "numaserve.cli.ops_cmd:top",
     "ops": "numaserve.cli.ops_cmd:ops",
+    "ratelimit": "numaserve.cli.ratelimit_cmd:ratelimit",
     "irq": "numaserve.cli.irq_cmd:irq",
     "doctor": "numaserve.cli.doctor_cmd:doctor",
 }
@@ -83,4 +84,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(141)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as e:  # a bug: one line for the operator, the traceback on request
+        import os
+        import traceback
+
+        if os.environ.get("NUMASERVE_DEBUG"):
+            traceback.print_exc()
+        click.echo(
+            f"numaserve: internal error: {type(e).__name__}: {e} "
+            "(set NUMASERVE_DEBUG=1 for the traceback, and please report it)",
+            err=True,
+        )
+        sys.exit(70)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -44,6 +44,7 @@ from numaserve.runtime import (
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.operations import Operation, OperationFailed, Operations
 from numaserve.supervisor.steer import Steering
@@ -108,6 +109,7 @@ class Supervisor:
         self.slots: dict[int, S.SlotState] = {
             p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
         }
+        self.limits = LimitsManager(self)
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
         self.irq_status: dict[str, Any] | None = None
@@ -301,6 +303,7 @@ class Supervisor:
                     self._readiness(now)
                 self._watchdog(now)
                 self._verify(now)
+                self.limits.tick(now)
                 self._steer()
                 self._notify(now)
                 self._publish_stats(now)
@@ -655,6 +658,7 @@ class Supervisor:
             if self.stopping and w.stop_sent is None:
                 self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
                 return
+            self.limits.on_hello(slot, w)
             for name, args in self.sticky.items():
                 cmd = m.Command(id=f"sticky-{name}-{uuid.uuid4().hex[:6]}", name=name, args=args)
                 asyncio.get_running_loop().create_task(self._send(w, cmd))
@@ -688,6 +692,13 @@ class Supervisor:
             return True
         except zmq.ZMQError:
             return False
+
+    def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
+        """Fire-and-forget named command to one worker (its Ack is logged)."""
+        if w.identity is None or w.external or w.popen.poll() is not None:
+            return
+        cmd = m.Command(id=f"{name}-{uuid.uuid4().hex[:8]}", name=name, args=args)
+        asyncio.get_running_loop().create_task(self._send(w, cmd))
 
     async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
                         sticky: bool = False) -> dict[str, Any]:
@@ -741,7 +752,18 @@ class Supervisor:
         if now - self._last_stats_pub < 1.0:
             return
         self._last_stats_pub = now
-        self.publish("stats", topic=b"stats", state=self.state, slots=[s.status(now) for s in self.slots.values()])
+        self.publish("stats", topic=b"stats", state=self.state, slots=self.slot_statuses(now))
+
+    def slot_statuses(self, now: float) -> list[dict[str, Any]]:
+        out = []
+        for slot in self.slots.values():
+            d = slot.status(now)
+            st = slot.worker.stats if slot.worker else None
+            d["queued"] = st.queued if st else 0
+            d["shed"] = st.shed if st else 0
+            d["limits"] = self.limits.status(slot)
+            out.append(d)
+        return out
 
     # ------------------------------------------------------------------- stop
 
@@ -980,7 +1002,8 @@ class Supervisor:
             },
             "plan": {"skipped": [{"node": s.node, "reason": s.reason} for s in self.plan.skipped],
                      "notes": list(self.plan.notes)},
-            "slots": [s.status(now) for s in self.slots.values()],
+            "slots": self.slot_statuses(now),
+            "limits": {str(n): d for n, d in self.limits.last_decision.items()},
             "operations": self.operations.recent(),
         }
 

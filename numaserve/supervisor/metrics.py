@@ -426,36 +426,62 @@ class NumaserveCollector(Collector):
               _num(s.get("inflight")) or 0.0)
         b.set("numaserve_open_connections", "Client connections open in the worker", SLOT_LABELS, lv,
               _num(s.get("connections")) or 0.0)
+        conns = totals.get("connections")
+        if isinstance(conns, Mapping):
+            for loc in sorted({"local", "remote", "unknown"} | {str(k) for k in conns}):
+                b.count("numaserve_accepted_connections_total",
+                        "Accepted connections by whether the receiving CPU was on the slot's node (SO_INCOMING_CPU)",
+                        SLOT_LABELS + ["locality"], lv + [loc], _num(conns.get(loc)) or 0.0)
 
     def _slot_admission(self, b: _Builder, s: Mapping[str, Any]) -> None:
+        """Worker admission gate: top-level ``queued``/``shed`` and the ``admission`` dict
+        (the worker's gate snapshot); cumulative shed counts preferably from ``totals``."""
         lv = _slot_labels(s)
+        adm = s.get("admission") if isinstance(s.get("admission"), Mapping) else {}
         b.set("numaserve_queued_requests", "Requests waiting for admission in the worker", SLOT_LABELS, lv,
               _first(s, ("queued",), ("admission", "queued")) or 0.0)
-        shed: Any = _get(s, "totals", "shed")
-        if shed is None:
-            shed = s.get("shed")
-        by_reason = shed if isinstance(shed, Mapping) else None
-        total = sum(_num(v) or 0.0 for v in by_reason.values()) if by_reason is not None else (_num(shed) or 0.0)
+        totals = s.get("totals") if isinstance(s.get("totals"), Mapping) else {}
+        by_reason = next((d for d in (totals.get("shed_by_reason"), adm.get("shed"), s.get("shed"), totals.get("shed"))
+                          if isinstance(d, Mapping)), None)
+        total = _first(totals, ("shed",))
+        if total is None:
+            total = _num(s.get("shed"))
+        if total is None and by_reason is not None:
+            total = sum(_num(v) or 0.0 for v in by_reason.values())
         b.count("numaserve_shed_requests_total", "Requests refused by admission control (503/504/429)",
-                SLOT_LABELS, lv, total)
+                SLOT_LABELS, lv, total or 0.0)
         if by_reason:
             for reason, v in sorted(by_reason.items()):
                 b.count("numaserve_shed_requests_by_reason_total", "Requests refused by admission control, by reason",
                         SLOT_LABELS + ["reason"], lv + [str(reason)], _num(v))
+        b.set("numaserve_admission_limit", "Effective in-flight limit of the worker's admission gate",
+              SLOT_LABELS, lv, _num(adm.get("limit")))
+        overloaded = adm.get("codel_overloaded")
+        if isinstance(overloaded, bool):
+            b.set("numaserve_admission_overloaded", "1 while the worker's queue delay is over target (CoDel)",
+                  SLOT_LABELS, lv, 1.0 if overloaded else 0.0)
 
     def _slot_limits(self, b: _Builder, s: Mapping[str, Any]) -> None:
+        """Pushed limits: the supervisor's ``limits`` dict when present, else what the
+        worker's gate reports it applies.  No ceiling / rate <= 0 (unlimited) = absent."""
         lv = _slot_labels(s)
-        lim = s.get("limits")
-        if isinstance(lim, Mapping):
-            b.set("numaserve_limit_concurrency", "Concurrency ceiling pushed to the worker", SLOT_LABELS, lv,
-                  _num(lim.get("concurrency")))
+        lim = s.get("limits") if isinstance(s.get("limits"), Mapping) else {}
+        adm = s.get("admission") if isinstance(s.get("admission"), Mapping) else {}
+
+        def pick(key: str, adm_key: str) -> float | None:
+            return _num(lim.get(key)) if key in lim else _num(adm.get(adm_key))
+
+        b.set("numaserve_limit_concurrency", "Concurrency ceiling pushed to the worker", SLOT_LABELS, lv,
+              pick("concurrency", "ceiling"))
+        rate = pick("rate", "rate")
+        if rate is not None and rate > 0:
             b.set("numaserve_limit_rate_requests_per_second", "Request rate quota pushed to the worker",
-                  SLOT_LABELS, lv, _num(lim.get("rate")))
+                  SLOT_LABELS, lv, rate)
             b.set("numaserve_limit_burst_requests", "Rate quota burst pushed to the worker", SLOT_LABELS, lv,
-                  _num(lim.get("burst")))
-            b.set("numaserve_limits_epoch", "Epoch of the limits pushed to the slot", SLOT_LABELS, lv,
-                  _num(lim.get("epoch")))
-        applied = _first(s, ("limits", "applied_epoch"), ("limits_epoch",))
+                  pick("burst", "burst"))
+        b.set("numaserve_limits_epoch", "Epoch of the limits pushed to the slot", SLOT_LABELS, lv,
+              _num(lim.get("epoch")))
+        applied = _first(s, ("limits", "applied_epoch"), ("limits_epoch",), ("admission", "epoch"))
         if applied is not None:
             b.set("numaserve_limits_applied_epoch", "Limits epoch the worker acknowledged", SLOT_LABELS, lv, applied)
 
@@ -470,7 +496,7 @@ class NumaserveCollector(Collector):
         b.set("numaserve_worker_remote_memory_ratio",
               "Share of the worker's resident memory on nodes outside its memory binding", SLOT_LABELS, lv,
               _first(s, ("remote_memory_share",), ("memory", "remote_share"), ("remote_share",)))
-        locality = _first(s, ("steering_locality",), ("locality_share",))
+        locality = _first(s, ("steering_locality",), ("locality_share",), ("totals", "locality_share"))
         if locality is None:  # or per slot under supervisor.steering.locality_by_slot {slot: share}
             locality = _num(_get(b.snap, "supervisor", "steering", "locality_by_slot", str(s.get("slot"))))
         b.set("numaserve_steering_locality_ratio", "Share of a slot's connections received on its node",

@@ -197,3 +197,45 @@ async def _operation(sup: "Supervisor", args: dict[str, Any]) -> Any:
     if op is None:
         raise OpsArgError(f"no operation {op_id!r} (the supervisor keeps the last 32)")
     return {"operation": op.to_json(), "state": op.state}
+
+
+# ------------------------------------------------------------------ ratelimit
+
+
+@verb("ratelimit_show", mutating=False)
+async def _ratelimit_show(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    return {
+        "mode": sup.limits.mode,
+        "nodes": {str(n): d for n, d in sup.limits.last_decision.items()},
+        "slots": [{"slot": s.plan.slot, "node": s.plan.node, **sup.limits.status(s)} for s in sup.slots.values()],
+    }
+
+
+@verb("ratelimit_set", mutating=True)
+async def _ratelimit_set(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    conc = arg_int(args, "concurrency", minimum=1)
+    rate = args.get("rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+        raise OpsArgError(f"argument 'rate' = {rate!r}: expected requests per second > 0")
+    if conc is None and rate is None:
+        raise OpsArgError("give a concurrency (e.g. 32) or a rate (e.g. 200/s)")
+    if sup.limits.mode == "off":
+        raise OpsArgError("limits.mode is \"off\": enable a mode in the config to push limits")
+    node = arg_int(args, "node")
+    slots = select_slots(sup, args) if node is None else []
+    if node is not None and node not in sup.limits.loops:
+        raise OpsArgError(f"no slot on node {node}")
+    sup.limits.override([s.plan.slot for s in slots], node, conc, None if rate is None else float(rate))
+    return {"state": "applied", "slots": [sup.limits.status(s) | {"slot": s.plan.slot} for s in sup.slots.values()]}
+
+
+@verb("ratelimit_auto", mutating=True)
+async def _ratelimit_auto(sup: "Supervisor", args: dict[str, Any]) -> Any:
+    node = arg_int(args, "node")
+    if node is not None and node not in sup.limits.loops:
+        raise OpsArgError(f"no slot on node {node}")
+    slot = arg_int(args, "slot")
+    if slot is not None and slot not in sup.slots:
+        raise OpsArgError(f"no slot {slot}")
+    sup.limits.auto(None if slot is None and node is None else ([slot] if slot is not None else []), node)
+    return {"state": "auto"}

@@ -334,7 +334,8 @@ def test_open_loop_measures_from_scheduled_time() -> None:
     assert open_r.requests == 400
     assert open_r.latency["max"] >= 190
     assert open_r.latency["p99"] >= 100, open_r.latency
-    assert open_r.latency["p90"] >= 5, open_r.latency  # ~10 % of the requests fell into the stall
+    # ~40 of 400 requests were scheduled during the stall, waiting 200..0 ms: the top 5 % waited >= ~100 ms
+    assert open_r.latency_hist.percentile_us(0.95) >= 50_000, open_r.latency
     assert closed_r.latency["max"] >= 190
     assert closed_r.latency["p99"] < open_r.latency["p99"] / 2, (closed_r.latency, open_r.latency)
 
@@ -347,8 +348,8 @@ def test_timeouts_counted_and_run_bounded(server: FakeServer) -> None:
     assert r.requests == 0 and r.errors["timeout"] >= 4 and not r.ok
     assert "0.2s" in r.error_samples["timeout"]
     # open loop: the deadline runs from the scheduled time
-    r = run_load(LoadConfig(server.url("/slow"), rate=20, duration=0.5, timeout=0.3))
-    assert r.requests == 0 and r.errors["timeout"] == pytest.approx(10, abs=3)
+    r = run_load(LoadConfig(server.url("/slow"), rate=20, duration=0.5, timeout=0.3, arrivals="uniform"))
+    assert r.requests == 0 and r.errors["timeout"] == 10
     assert r.latency_hist.count == 0
 
 
@@ -370,7 +371,8 @@ def test_connect_errors_counted_mid_run() -> None:
         r = run_load(LoadConfig(s.url(), rate=100, duration=1.0, arrivals="uniform", keepalive=False))
     assert r.requests == pytest.approx(40, abs=8)
     assert r.errors["connect"] == pytest.approx(60, abs=8)
-    assert r.requests + r.errors["connect"] == 100
+    # a connection caught in the listen backlog when the listener closes is reset instead
+    assert r.requests + r.error_count == 100, (r.errors, r.error_samples)
 
 
 @pytest.mark.parametrize("path, kind", [("/reset", "reset"), ("/garbage", "read"), ("/close", "read")])

@@ -68,10 +68,17 @@ def full_snapshot() -> dict[str, Any]:
     s0 = slot(0, 0, queued=4, shed=7, pss_bytes=30_000_000, uss_bytes=25_000_000, remote_memory_share=0.02,
               steering_locality=0.97, limits={"concurrency": 64, "rate": 500.0, "burst": 50.0, "epoch": 12},
               limits_epoch=12,
+              admission={"limit": 32, "ceiling": 64, "rate": 500.0, "burst": 50.0, "epoch": 12, "queued": 4,
+                         "shed": {"overload": 5, "deadline": 2}, "codel_overloaded": False},
               leak={"verdict": "suspect", "slope_bytes_per_1000_requests": 2.5e6, "slope_per_minute": 6.0e5})
-    s1 = slot(1, 1, queued=0, shed={"overload": 3, "deadline": 2}, pss_bytes=31_000_000, leak={"kind": "ok"},
-              limits={"concurrency": None, "rate": None, "epoch": 12, "applied_epoch": 11},
-              memory={"remote_share": 0.5})
+    s0["totals"]["connections"] = {"local": 90, "remote": 10}
+    s0["totals"]["locality_share"] = 0.9
+    # slot 1: no supervisor limits yet; the worker's gate says what it applies
+    s1 = slot(1, 1, pss_bytes=31_000_000, leak={"kind": "ok"}, memory={"remote_share": 0.5},
+              admission={"limit": 10, "ceiling": None, "rate": 0.0, "burst": 1.0, "epoch": 11, "queued": 0,
+                         "shed": {"overload": 3, "deadline": 2}, "codel_overloaded": True})
+    s1["totals"]["connections"] = {"local": 5, "remote": 5, "unknown": 1}
+    s1["totals"]["locality_share"] = 0.5
     s2 = slot(2, 1, state="drained", drained=True, binding_verified=None, pid=None, rss_bytes=0)
     return {
         "supervisor": {
@@ -111,6 +118,9 @@ EXPECTED = {
     "numaserve_limit_burst_requests": "gauge",
     "numaserve_limits_epoch": "gauge",
     "numaserve_limits_applied_epoch": "gauge",
+    "numaserve_admission_limit": "gauge",
+    "numaserve_admission_overloaded": "gauge",
+    "numaserve_accepted_connections": "counter",
     "numaserve_worker_rss_bytes": "gauge",
     "numaserve_worker_pss_bytes": "gauge",
     "numaserve_worker_uss_bytes": "gauge",
@@ -210,13 +220,23 @@ def test_values_from_the_snapshot() -> None:
     assert value(text, "numaserve_worker_restarts_total", slot="0", reason="hung") == 0
     assert value(text, "numaserve_queued_requests", slot="0") == 4
     assert value(text, "numaserve_shed_requests_total", slot="0") == 7
-    assert value(text, "numaserve_shed_requests_total", slot="1") == 5  # sum of the reasons
+    assert value(text, "numaserve_shed_requests_total", slot="1") == 5  # sum of the gate's reasons
     assert value(text, "numaserve_shed_requests_by_reason_total", slot="1", reason="overload") == 3
     assert value(text, "numaserve_shed_requests_total", slot="2") == 0  # admission data absent → 0
-    assert value(text, "numaserve_limits_epoch", slot="1") == 12
-    assert value(text, "numaserve_limits_applied_epoch", slot="1") == 11
+    assert value(text, "numaserve_limits_epoch", slot="0") == 12
+    assert not samples(text, "numaserve_limits_epoch", slot="1")       # nothing pushed yet
+    assert value(text, "numaserve_limits_applied_epoch", slot="1") == 11  # from the gate
     assert value(text, "numaserve_limits_applied_epoch", slot="0") == 12
-    assert not samples(text, "numaserve_limit_concurrency", slot="1")  # None = no ceiling: absent
+    assert value(text, "numaserve_limit_concurrency", slot="0") == 64
+    assert not samples(text, "numaserve_limit_concurrency", slot="1")  # no ceiling: absent
+    assert not samples(text, "numaserve_limit_rate_requests_per_second", slot="1")  # rate 0 = unlimited
+    assert value(text, "numaserve_admission_limit", slot="1") == 10
+    assert value(text, "numaserve_admission_overloaded", slot="1") == 1
+    assert value(text, "numaserve_accepted_connections_total", slot="0", locality="remote") == 10
+    assert value(text, "numaserve_accepted_connections_total", slot="0", locality="unknown") == 0
+    assert value(text, "numaserve_steering_locality_ratio", slot="0") == 0.97
+    assert value(text, "numaserve_steering_locality_ratio", slot="1") == 0.5   # from totals
+    assert value(text, "numaserve_steering_overall_locality_ratio") == 0.93
     assert value(text, "numaserve_worker_pss_bytes", slot="1") == 31_000_000
     assert not samples(text, "numaserve_worker_pss_bytes", slot="2")
     assert value(text, "numaserve_worker_remote_memory_ratio", slot="1") == 0.5
@@ -321,12 +341,16 @@ def test_missing_optional_data_means_absent_metrics() -> None:
     snap["supervisor"]["steering"] = None
     for s in snap["slots"]:
         for k in ("queued", "shed", "pss_bytes", "uss_bytes", "remote_memory_share", "steering_locality",
-                  "limits", "limits_epoch", "leak", "memory"):
+                  "limits", "limits_epoch", "leak", "memory", "admission"):
             s.pop(k, None)
+        s["totals"].pop("connections", None)
+        s["totals"].pop("locality_share", None)
     fams = families(scrape(NumaserveCollector(lambda: snap)))
     for absent in ("numaserve_worker_pss_bytes", "numaserve_leak_verdict", "numaserve_limits_epoch",
                    "numaserve_irq_steering_applied", "numaserve_steering_program_attached",
-                   "numaserve_worker_remote_memory_ratio", "numaserve_shed_requests_by_reason"):
+                   "numaserve_worker_remote_memory_ratio", "numaserve_shed_requests_by_reason",
+                   "numaserve_admission_limit", "numaserve_accepted_connections", "numaserve_limit_concurrency",
+                   "numaserve_steering_locality_ratio"):
         assert absent not in fams
     assert all(s.value == 0 for s in fams["numaserve_queued_requests"].samples)
 

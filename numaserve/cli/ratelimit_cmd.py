@@ -1,0 +1,88 @@
+"""`numaserve ratelimit show | set | auto`: the limits each slot enforces, and overrides."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+from numaserve.cli.common import echo_json, want_json
+from numaserve.cli.ops_cmd import _call, ops_target_options
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:/s|rps|r/s)$", re.IGNORECASE)
+
+
+def parse_limit(value: str) -> dict[str, Any]:
+    """"32" → concurrency 32; "200/s" or "200rps" → rate 200 requests/s."""
+    v = value.strip()
+    m = _RATE.match(v)
+    if m:
+        rate = float(m.group(1))
+        if rate <= 0:
+            raise click.BadParameter("a rate must be > 0", param_hint="VALUE")
+        return {"rate": rate}
+    if v.isdigit() and int(v) >= 1:
+        return {"concurrency": int(v)}
+    raise click.BadParameter(f"{value!r}: expected a concurrency like 32 or a rate like 200/s", param_hint="VALUE")
+
+
+@click.group("ratelimit")
+def ratelimit() -> None:
+    """Admission limits per slot: show them, override them, or hand back to auto."""
+
+
+@ratelimit.command("show")
+@ops_target_options
+@click.option("--json/--no-json", "as_json", default=None)
+def show(target: Any, reply_timeout: float, as_json: bool | None) -> None:
+    """Per slot: limit, rate, epoch (pushed / applied by the worker), who set it and why."""
+    data = _call(target, "ratelimit_show", timeout=reply_timeout)
+    if want_json(as_json):
+        echo_json(data)
+        return
+    click.echo(f"mode {data['mode']}")
+    click.echo(f"{'SLOT':>4} {'NODE':>4} {'LIMIT':>6} {'RATE':>9} {'EPOCH':>6} {'APPLIED':>7} {'EFFECTIVE':>9}  SOURCE / WHY")
+    for s in data["slots"]:
+        rate = "-" if s["rate"] is None else f"{s['rate']:.1f}/s"
+        click.echo(
+            f"{s['slot']:>4} {s['node']:>4} {str(s['concurrency'] or '-'):>6} {rate:>9} {str(s['epoch'] or '-'):>6} "
+            f"{str(s['applied_epoch'] or '-'):>7} {str(s['effective_limit'] or '-'):>9}  "
+            f"{s['source'] or '-'}{' — ' + s['reason'] if s['reason'] and s['reason'] != s['source'] else ''}"
+        )
+
+
+@ratelimit.command("set")
+@ops_target_options
+@click.option("--slot", type=int, default=None)
+@click.option("--node", type=int, default=None)
+@click.argument("value")
+def set_(target: Any, reply_timeout: float, slot: int | None, node: int | None, value: str) -> None:
+    """Override: VALUE is a concurrency (32) or a rate (200/s) for a slot, a node, or every slot."""
+    if slot is not None and node is not None:
+        raise click.UsageError("give --slot or --node, not both")
+    args: dict[str, Any] = parse_limit(value)
+    if slot is not None:
+        args["slot"] = slot
+    elif node is not None:
+        args["node"] = node
+    else:
+        args["all"] = True
+    _call(target, "ratelimit_set", args, timeout=reply_timeout)
+    click.echo(f"set {value} on " + (f"slot {slot}" if slot is not None else f"node {node}" if node is not None
+                                     else "every slot") + " (until `numaserve ratelimit auto`)")
+
+
+@ratelimit.command("auto")
+@ops_target_options
+@click.option("--slot", type=int, default=None)
+@click.option("--node", type=int, default=None)
+def auto(target: Any, reply_timeout: float, slot: int | None, node: int | None) -> None:
+    """Clear overrides (of a slot, a node, or everything): the control loops decide again."""
+    args: dict[str, Any] = {}
+    if slot is not None:
+        args["slot"] = slot
+    if node is not None:
+        args["node"] = node
+    _call(target, "ratelimit_auto", args, timeout=reply_timeout)
+    click.echo("auto")

@@ -1,0 +1,230 @@
+"""The supervisor's limit loop (L2), fed by worker Stats, pushing SetLimits.
+
+Every ``limits.interval_s`` (≥ 3 s) each node's ``LimitsLoop`` gets a window
+built from its workers' counters (deltas since the previous window: admitted,
+rejected, completed, in-flight peaks, and the exact merge of their latency
+histograms), and returns per-slot ceilings/rates with an epoch.  The result
+is pushed to the slot's workers as a ``set_limits`` command; the lease is
+renewed by every push (same epoch), so a worker that loses its supervisor
+falls back to a safe ceiling when the lease runs out, never to "unlimited".
+A new worker gets its slot's current limits right after its Hello.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from numaserve.loops.supervisor_limits import LimitsDecision, LimitsLoop, NodeWindow, SlotLimits, WorkerWindow
+from numaserve.worker.stats import BUCKET_UPPER_MS
+
+if TYPE_CHECKING:
+    from numaserve.supervisor.arbiter import Supervisor
+    from numaserve.supervisor.slots import SlotState, WorkerProc
+
+log = structlog.get_logger("numaserve.limits")
+
+
+def bucket_quantile(counts: list[int], q: float) -> float | None:
+    """Upper bound (seconds) of the bucket holding quantile ``q`` of a histogram."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank = q * total
+    acc = 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc >= rank and c:
+            ub = BUCKET_UPPER_MS[min(i, len(BUCKET_UPPER_MS) - 1)]
+            if ub == float("inf"):
+                ub = BUCKET_UPPER_MS[-2]
+            return ub / 1000.0
+    return None
+
+
+class LimitsManager:
+    def __init__(self, sup: "Supervisor") -> None:
+        self.sup = sup
+        now = time.monotonic()
+        nodes = sorted({s.plan.node for s in sup.slots.values()})
+        self.loops = {n: LimitsLoop(sup.cfg.limits, now) for n in nodes}
+        self.current: dict[int, SlotLimits] = {}
+        self.epochs: dict[int, int] = {}
+        self.reasons: dict[int, str] = {}
+        self.last_decision: dict[int, dict[str, Any]] = {}
+        self._prev: dict[tuple[int, int], dict[str, Any]] = {}
+        self._last_tick: dict[int, float] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.sup.cfg.limits.mode
+
+    # ----------------------------------------------------------------- window
+
+    def _worker_window(self, slot: "SlotState", w: "WorkerProc") -> tuple[WorkerWindow, dict[str, Any]] | None:
+        st = w.stats
+        if st is None or not isinstance(st.extra, dict):
+            return None
+        gate = st.extra.get("admission")
+        if not isinstance(gate, dict):
+            return None
+        buckets = list(st.extra.get("latency_buckets") or [])
+        cur = {
+            "admitted": int(gate.get("admitted", 0)),
+            "rejected": sum(int(v) for v in (gate.get("shed") or {}).values()),
+            "completed": int(gate.get("ok", 0)),
+            "buckets": buckets,
+            "sum_ms": float(st.extra.get("latency_sum_ms", 0.0)),
+            "count": int(st.extra.get("latency_count", 0)),
+        }
+        key = (slot.plan.slot, w.generation)
+        prev = self._prev.get(key)
+        self._prev[key] = cur
+        if prev is None:
+            prev = {"admitted": 0, "rejected": 0, "completed": 0, "buckets": [0] * len(buckets), "sum_ms": 0.0,
+                    "count": 0}
+        delta = {k: cur[k] - prev[k] for k in ("admitted", "rejected", "completed", "count")}
+        delta["sum_ms"] = cur["sum_ms"] - prev["sum_ms"]
+        pb = prev["buckets"] + [0] * (len(buckets) - len(prev["buckets"]))
+        delta["buckets"] = [max(0, a - b) for a, b in zip(buckets, pb)]
+        ww = WorkerWindow(
+            slot=slot.plan.slot,
+            l1_limit=gate.get("l1_limit"),
+            max_inflight=int(gate.get("max_inflight", 0)),
+            queued=int(gate.get("queued", 0)),
+            arrivals=max(0, delta["admitted"] + delta["rejected"]),
+            admitted=max(0, delta["admitted"]),
+            codel_overloaded=bool(gate.get("codel_overloaded", False)),
+            probing=bool(gate.get("probing", False)),
+        )
+        return ww, delta
+
+    def _node_window(self, node: int, now: float) -> NodeWindow:
+        workers: list[WorkerWindow] = []
+        merged: list[int] = []
+        completed = admitted = count = 0
+        sum_ms = 0.0
+        for slot in self.sup.slots.values():
+            if slot.plan.node != node or slot.worker is None:
+                continue
+            got = self._worker_window(slot, slot.worker)
+            if got is None:
+                continue
+            ww, d = got
+            workers.append(ww)
+            completed += max(0, d["completed"])
+            admitted += max(0, d["admitted"])
+            count += max(0, d["count"])
+            sum_ms += max(0.0, d["sum_ms"])
+            if len(merged) < len(d["buckets"]):
+                merged.extend([0] * (len(d["buckets"]) - len(merged)))
+            for i, v in enumerate(d["buckets"]):
+                merged[i] += v
+        first = next((i for i, c in enumerate(merged) if c), None)
+        return NodeWindow(
+            duration_s=max(0.001, now - self._last_tick.get(node, now - self.sup.cfg.limits.interval_s)),
+            completed=completed,
+            admitted=admitted,
+            p90_total_s=bucket_quantile(merged, 0.9),
+            mean_total_s=(sum_ms / count / 1000.0) if count else None,
+            min_total_s=(BUCKET_UPPER_MS[first - 1] / 1000.0 if first else 0.0) if first is not None else None,
+            workers=workers,
+        )
+
+    # ------------------------------------------------------------------- loop
+
+    def tick(self, now: float) -> None:
+        if self.mode == "off" or self.sup.stopping:
+            return
+        for node, loop in self.loops.items():
+            if not loop.due(now):
+                continue
+            window = self._node_window(node, now)
+            self._last_tick[node] = now
+            if not window.workers:
+                continue
+            decision = loop.update(now, window)
+            if decision is not None:
+                self._apply(node, decision)
+
+    def _apply(self, node: int, d: LimitsDecision) -> None:
+        if d.changed:
+            log.info(
+                "limits",
+                node=node, epoch=d.epoch, mode=d.mode, source=d.source, reason=d.reason,
+                node_budget=d.node_budget, node_rate=d.node_rate,
+                slots={s.slot: {"concurrency": s.concurrency, "rate": s.rate} for s in d.slots},
+            )
+            self.sup.publish("limits", node=node, epoch=d.epoch, source=d.source, reason=d.reason)
+        self.last_decision[node] = {"epoch": d.epoch, "source": d.source, "reason": d.reason,
+                                    "node_budget": d.node_budget, "node_rate": d.node_rate, "slo_cap": d.slo_cap}
+        for s in d.slots:
+            self.current[s.slot] = s
+            self.epochs[s.slot] = d.epoch
+            self.reasons[s.slot] = d.reason or d.source
+            self.push(s.slot)
+
+    def args_for(self, slot: int) -> dict[str, Any] | None:
+        s = self.current.get(slot)
+        if s is None:
+            return None
+        return {"epoch": self.epochs[slot], "concurrency": s.concurrency, "rate": s.rate, "burst": s.burst,
+                "lease_s": s.lease_s, "safe_concurrency": s.safe_concurrency}
+
+    def push(self, slot: int) -> None:
+        args = self.args_for(slot)
+        st = self.sup.slots.get(slot)
+        if args is None or st is None:
+            return
+        for w in (st.worker, st.incoming):
+            if w is not None:
+                self.sup.send_command(w, "set_limits", args)
+
+    def on_hello(self, slot: "SlotState", w: "WorkerProc") -> None:
+        """A new worker starts at its slot's current epoch."""
+        args = self.args_for(slot.plan.slot)
+        if args is not None:
+            self.sup.send_command(w, "set_limits", args)
+
+    # --------------------------------------------------------------- operator
+
+    def override(self, slots: list[int], node: int | None, concurrency: int | None, rate: float | None) -> None:
+        now = time.monotonic()
+        if node is not None:
+            self._apply(node, self.loops[node].override(now, slot=None, concurrency=concurrency, rate=rate))
+            return
+        for s in slots:
+            n = self.sup.slots[s].plan.node
+            self._apply(n, self.loops[n].override(now, slot=s, concurrency=concurrency, rate=rate))
+
+    def auto(self, slots: list[int] | None, node: int | None) -> None:
+        now = time.monotonic()
+        if slots is None and node is None:
+            for n, loop in self.loops.items():
+                self._apply(n, loop.clear_override(now, everything=True))
+            return
+        if node is not None:
+            self._apply(node, self.loops[node].clear_override(now, slot=None))
+            return
+        for s in slots or []:
+            n = self.sup.slots[s].plan.node
+            self._apply(n, self.loops[n].clear_override(now, slot=s))
+
+    def status(self, slot: "SlotState") -> dict[str, Any]:
+        s = self.current.get(slot.plan.slot)
+        w = slot.worker
+        gate = w.stats.extra.get("admission") if w and w.stats and isinstance(w.stats.extra, dict) else None
+        return {
+            "mode": self.mode,
+            "concurrency": s.concurrency if s else None,
+            "rate": round(s.rate, 3) if s and s.rate is not None else None,
+            "burst": round(s.burst, 3) if s and s.burst is not None else None,
+            "epoch": self.epochs.get(slot.plan.slot),
+            "applied_epoch": gate.get("epoch") if isinstance(gate, dict) else None,
+            "source": s.source if s else None,
+            "reason": self.reasons.get(slot.plan.slot),
+            "effective_limit": gate.get("limit") if isinstance(gate, dict) else None,
+            "l1_limit": gate.get("l1_limit") if isinstance(gate, dict) else None,
+        }

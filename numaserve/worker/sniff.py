@@ -1,0 +1,411 @@
+"""One port, two protocols: HTTP (uvicorn) and the length-prefixed frames.
+
+``sniffing_protocol(http_cls, settings)`` returns a protocol class for
+uvicorn's ``Config(http=...)``.  Each connection starts as a
+``BufferedProtocol`` reading into its frame decoder's preallocated buffer.
+The first byte decides (``numaserve.framing.looks_like_http``):
+
+* HTTP: the uvicorn HTTP protocol is created, given the transport, swapped in
+  with ``transport.set_protocol()`` and fed the bytes already read.  Checked
+  on asyncio and uvloop, plain TCP and TLS transports alike: both switch
+  between buffered and plain protocols in place, and later reads go to the
+  new protocol directly, so HTTP pays one copy of its first read only.
+* frames: the connection stays here.  Every complete frame becomes an ASGI
+  ``http`` request to ``config.loaded_app`` — the very stack uvicorn runs
+  (metrics, admission, body limits, cache, app) — and is answered with one
+  frame carrying the request's ``id``.  Requests run concurrently
+  (pipelining, up to ``max_pipeline`` per connection; past that the
+  connection stops reading until one finishes), replies go out as they are
+  ready, in any order.
+
+Connections register in uvicorn's ``server_state.connections`` and request
+tasks in ``server_state.tasks``, so drain, graceful shutdown and
+``limit_concurrency`` treat frames like HTTP.  Error classes: see
+``numaserve.errors_http`` (400/408/413 close the connection once the
+requests in flight have been answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+from typing import Any
+
+from numaserve.errors_http import error_body, error_headers
+from numaserve.framing import (
+    HEADER,
+    FrameDecoder,
+    FrameError,
+    FrameRequest,
+    FramingConfig,
+    decode_request,
+    encode_response,
+    looks_like_http,
+)
+
+__all__ = ["COUNTERS", "frame_stats", "resolve_http_protocol", "sniffing_protocol"]
+
+logger = logging.getLogger("numaserve.frames")
+
+#: Per-process counters (the worker adds them to Stats ``extra``).
+COUNTERS: dict[str, int] = {
+    "frame_connections": 0,
+    "frame_requests": 0,
+    "frame_errors": 0,
+    "sniffed_http": 0,
+}
+
+_FIRST_READ = 16 * 1024
+_DEADLINE_HEADER = b"x-request-timeout"
+
+
+def frame_stats() -> dict[str, int]:
+    """A copy of the frame counters, for Stats ``extra``."""
+    return dict(COUNTERS)
+
+
+def resolve_http_protocol(http: Any) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for a ``Config(http=...)`` value."""
+    if isinstance(http, str):
+        if http == "h11":
+            from uvicorn.protocols.http.h11_impl import H11Protocol
+
+            return H11Protocol
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    return http  # type: ignore[no-any-return]
+
+
+def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float = 30.0) -> type:
+    """A protocol class serving HTTP via ``http`` and frames per ``settings`` on one socket."""
+    http_cls = resolve_http_protocol(http)
+
+    class SniffingProtocol(asyncio.BufferedProtocol):
+        """Starts every connection; stays for frame connections (see module docstring)."""
+
+        http_protocol = http_cls
+        framing = settings
+
+        def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any] | None = None,
+                     _loop: asyncio.AbstractEventLoop | None = None) -> None:
+            self.config = config
+            self.server_state = server_state
+            self.app_state = app_state if app_state is not None else {}
+            self.loop = _loop or asyncio.get_event_loop()
+            self.transport: Any = None
+            self._decoder = FrameDecoder(settings.max_frame_bytes, initial=min(_FIRST_READ, settings.max_frame_bytes + 4))
+            self._mode = ""          # "" sniffing, "frames"
+            self._inflight = 0
+            self._read_paused = False   # we paused the transport
+            self._write_paused = False  # the transport asked us to stop writing
+            self._closing = False       # no more requests: close when in-flight is 0
+            self._lost = False
+            self._lost_event: asyncio.Event | None = None
+            self._timer: asyncio.TimerHandle | None = None
+            self._timer_kind = ""
+            self.server: Any = None
+            self.client: Any = None
+            self.scheme = "http"
+
+        # --- transport callbacks ----------------------------------------------------
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
+
+            self.transport = transport
+            self.server_state.connections.add(self)
+            self.server = get_local_addr(transport)
+            self.client = get_remote_addr(transport)
+            self.scheme = "https" if is_ssl(transport) else "http"
+            self._set_timer("first", read_timeout)
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return self._decoder.get_buffer(sizehint)
+
+        def buffer_updated(self, nbytes: int) -> None:
+            if not self._mode:
+                if nbytes <= 0:
+                    return
+                view = self._decoder.unread(nbytes)
+                if looks_like_http(view[0]):
+                    self._switch_to_http(bytes(view[:nbytes]))
+                    return
+                self._mode = "frames"
+                COUNTERS["frame_connections"] += 1
+            self._decoder.buffer_updated(nbytes)
+            self._process()
+
+        def eof_received(self) -> bool | None:
+            if not self._mode:
+                return None  # nothing sent: just close
+            if self._decoder.pending:
+                COUNTERS["frame_errors"] += 1  # truncated frame: nobody left to answer
+            if self._inflight:
+                self._closing = True
+                return True  # half-close: keep the write side for the replies in flight
+            return None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._lost = True
+            self._cancel_timer()
+            self.server_state.connections.discard(self)
+            if self._lost_event is not None:
+                self._lost_event.set()
+
+        def pause_writing(self) -> None:
+            self._write_paused = True
+            self._pause_reading()
+
+        def resume_writing(self) -> None:
+            self._write_paused = False
+            self._maybe_resume()
+
+        # --- uvicorn server hooks -----------------------------------------------------
+
+        def shutdown(self) -> None:
+            """Drain/stop: close now when idle, else after the requests in flight."""
+            self._closing = True
+            self._pause_reading()
+            if self._inflight == 0 and self.transport is not None and not self.transport.is_closing():
+                self.transport.close()
+
+        # --- HTTP -----------------------------------------------------------------------
+
+        def _switch_to_http(self, first: bytes) -> None:
+            COUNTERS["sniffed_http"] += 1
+            self._cancel_timer()
+            self.server_state.connections.discard(self)
+            proto = http_cls(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
+                             app_state=self.app_state, _loop=self.loop)
+            proto.connection_made(self.transport)
+            self.transport.set_protocol(proto)
+            self._decoder = None  # type: ignore[assignment]  # give the buffer back
+            proto.data_received(first)
+
+        # --- frames ---------------------------------------------------------------------
+
+        def _process(self) -> None:
+            decoder = self._decoder
+            try:
+                for payload in decoder.frames():
+                    if self._closing:
+                        break
+                    if self._timer_kind == "partial":
+                        self._cancel_timer()  # progress: the next frame gets its own read_timeout
+                    self._on_frame(payload)
+                    if self._inflight >= settings.max_pipeline:
+                        self._pause_reading()
+                        break
+            except FrameError as e:
+                as_json = decoder.peek_payload_byte() == 0x7B
+                self._fail(e.status, e.message, None, as_json)
+                return
+            self._update_timer()
+
+        def _on_frame(self, payload: memoryview) -> None:
+            try:
+                req = decode_request(payload)
+            except FrameError as e:
+                self._fail(e.status, e.message, e.request_id, payload[:1] == b"{")
+                return
+            COUNTERS["frame_requests"] += 1
+            self.server_state.total_requests += 1
+            limit = self.config.limit_concurrency
+            if limit is not None and len(self.server_state.tasks) >= limit:
+                self._send_error(req.id, 503, "connection limit reached", req.json)
+                return
+            self._inflight += 1
+            task = self.loop.create_task(self._run(req))
+            self.server_state.tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+        def _task_done(self, task: asyncio.Task[None]) -> None:
+            self.server_state.tasks.discard(task)
+            self._inflight -= 1
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("frame request failed", exc_info=task.exception())
+            if self._closing:
+                if self._inflight == 0 and not self.transport.is_closing():
+                    self.transport.close()
+                return
+            self._maybe_resume()
+            if not self._lost:
+                self._update_timer()
+
+        def _maybe_resume(self) -> None:
+            if self._closing or self._write_paused or self._lost or not self._read_paused:
+                return
+            if self._inflight >= settings.max_pipeline:
+                return
+            self._read_paused = False
+            self._process()  # frames already buffered go first
+            if not self._read_paused and not self._closing:
+                self.transport.resume_reading()
+
+        def _pause_reading(self) -> None:
+            if not self._read_paused and self.transport is not None and not self.transport.is_closing():
+                self._read_paused = True
+                try:
+                    self.transport.pause_reading()
+                except (RuntimeError, AttributeError):  # closing / not supported
+                    pass
+
+        def _scope(self, req: FrameRequest) -> dict[str, Any]:
+            path, _, query = req.path.partition("?")
+            headers = [(k, v) for k, v in req.headers if k != b"content-length"]
+            headers.append((b"content-length", str(len(req.body)).encode()))
+            if req.timeout is not None and not any(k == _DEADLINE_HEADER for k, _ in headers):
+                headers.append((_DEADLINE_HEADER, repr(float(req.timeout)).encode()))
+            return {
+                "type": "http",
+                "asgi": {"version": "3.0", "spec_version": "2.4"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,
+                "method": req.method,
+                "root_path": self.config.root_path,
+                "path": urllib.parse.unquote(path),
+                "raw_path": path.encode("utf-8", "surrogateescape"),
+                "query_string": query.encode("utf-8", "surrogateescape"),
+                "headers": headers,
+                "state": self.app_state.copy(),
+                "extensions": {"numaserve.frame": {"id": req.id}},
+            }
+
+        async def _run(self, req: FrameRequest) -> None:
+            scope = self._scope(req)
+            status = 0
+            headers: list[tuple[bytes, bytes]] = []
+            chunks: list[bytes] = []
+            body_sent = False
+            complete = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal body_sent
+                if not body_sent:
+                    body_sent = True
+                    return {"type": "http.request", "body": req.body, "more_body": False}
+                if not complete and not self._lost:
+                    if self._lost_event is None:
+                        self._lost_event = asyncio.Event()
+                    await self._lost_event.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                nonlocal status, headers, complete
+                kind = message["type"]
+                if kind == "http.response.start":
+                    if status:
+                        raise RuntimeError("response already started")
+                    status = int(message["status"])
+                    headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
+                elif kind == "http.response.body":
+                    if not status or complete:
+                        raise RuntimeError("response body without a start or after the end")
+                    chunk = message.get("body", b"")
+                    if chunk:
+                        chunks.append(bytes(chunk))
+                    if not message.get("more_body", False):
+                        complete = True
+
+            app = self.config.loaded_app
+            timed_out = False
+            try:
+                if req.timeout is not None:
+                    async with asyncio.timeout(req.timeout) as cm:
+                        try:
+                            await app(scope, receive, send)
+                        finally:
+                            timed_out = cm.expired()
+                else:
+                    await app(scope, receive, send)
+            except TimeoutError:
+                if not timed_out:
+                    logger.error("Exception in ASGI application (frame)", exc_info=True)
+                    if not complete:
+                        self._send_error(req.id, 500, "internal error", req.json)
+                    return
+                if not complete:
+                    self._send_error(req.id, 504, "deadline passed while the request ran", req.json)
+                    return
+            except Exception:  # noqa: BLE001 - the app's bug is answered, not fatal
+                logger.error("Exception in ASGI application (frame)", exc_info=True)
+                if not complete:
+                    self._send_error(req.id, 500, "internal error", req.json)
+                return
+            if not complete:
+                self._send_error(req.id, 500, "the app returned without a complete response", req.json)
+                return
+            body = b"" if req.method == "HEAD" else b"".join(chunks)
+            self._write(encode_response(req.id, status, headers, body, as_json=req.json))
+            if any(k.lower() == b"connection" and b"close" in v.lower() for k, v in headers):
+                self._closing = True  # draining worker: finish what is in flight, then close
+                self._pause_reading()
+
+        # --- answers and errors -----------------------------------------------------------
+
+        def _write(self, payload: bytes) -> None:
+            if self._lost or self.transport.is_closing():
+                return
+            self.transport.writelines([HEADER.pack(len(payload)), payload])
+
+        def _send_error(self, rid: Any, status: int, message: str, as_json: bool) -> None:
+            COUNTERS["frame_errors"] += 1
+            body = error_body(status, message)
+            self._write(encode_response(rid, status, error_headers(status, body), body,
+                                        as_json=as_json, error=message))
+
+        def _fail(self, status: int, message: str, rid: Any, as_json: bool) -> None:
+            """Protocol error: answer, stop reading, close once in-flight replies are out."""
+            logger.info("frame protocol error %d: %s", status, message)
+            self._send_error(rid, status, message, as_json)
+            self._closing = True
+            self._cancel_timer()
+            self._pause_reading()
+            if self._inflight == 0 and not self.transport.is_closing():
+                self.transport.close()
+
+        # --- timers -------------------------------------------------------------------------
+
+        def _update_timer(self) -> None:
+            if self._closing:
+                self._cancel_timer()
+            elif self._decoder.pending:
+                if self._timer_kind != "partial":  # from the first byte of the frame: no slow-loris reset
+                    self._set_timer("partial", read_timeout)
+            elif self._inflight == 0:
+                if self._timer_kind != "idle":
+                    self._set_timer("idle", settings.idle_timeout)
+            else:
+                self._cancel_timer()
+
+        def _set_timer(self, kind: str, seconds: float) -> None:
+            self._cancel_timer()
+            if seconds and seconds > 0:
+                self._timer_kind = kind
+                self._timer = self.loop.call_later(seconds, self._on_timer)
+
+        def _cancel_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._timer_kind = ""
+
+        def _on_timer(self) -> None:
+            kind, self._timer, self._timer_kind = self._timer_kind, None, ""
+            if self._lost or self.transport.is_closing():
+                return
+            if kind == "partial" and self._decoder.pending:
+                self._fail(408, "frame not received in time", None, self._decoder.peek_payload_byte() == 0x7B)
+            elif kind == "idle" and self._inflight == 0 and not self._decoder.pending:
+                self.transport.close()
+            elif kind == "first" and not self._mode:
+                self.transport.close()  # connected, never sent a byte
+            else:
+                self._update_timer()
+
+    SniffingProtocol.__name__ = f"Sniffing{http_cls.__name__}"
+    return SniffingProtocol
