@@ -145,9 +145,17 @@ class FrameDecoder:
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
 
-    def unread(self, nbytes: int) -> memoryview:
-        """The ``nbytes`` just written into :meth:`get_buffer`'s view, before ``buffer_updated``."""
-        return memoryview(self._buf)[self._end:self._end + nbytes]
+    def feed_into(self, data: memoryview | bytes) -> None:
+        """Copy ``data`` in (may grow the buffer past a frame, up to the frame limit + ``len(data)``)."""
+        n = len(data)
+        if self._start:
+            self.get_buffer()  # compact
+        if self._end + n > len(self._buf):
+            grown = bytearray(self._end + n)
+            grown[:self._end] = self._buf[:self._end]
+            self._buf = grown
+        self._buf[self._end:self._end + n] = data
+        self._end += n
 
     def peek_payload_byte(self) -> int | None:
         """First payload byte of the frame being received (its encoding), if already here."""

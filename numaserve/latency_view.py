@@ -200,7 +200,7 @@ def latency_summary(snapshot: Mapping[str, Any], previous: Mapping[str, Any] | N
 
 
 def _header(s: SlotLatency) -> str:
-    scope = "in the window" if s.windowed else "since the slot started"
+    scope = "in the window" if s.windowed else "since start"
     p = s.pcts
     head = (f"slot {s.slot} (node {s.node}, pid {s.pid or '-'}, {s.state}): {s.count} requests {scope}"
             f" — p50 {fmt_ms(p['p50'])}  p90 {fmt_ms(p['p90'])}  p99 {fmt_ms(p['p99'])}")

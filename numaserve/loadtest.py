@@ -439,6 +439,7 @@ class LoadResult:
     retries: int = 0
     client_cpu_s: float = 0.0
     aborted: str | None = None
+    interrupted: bool = False       # ``stop`` was set before the duration ran out
 
     @property
     def error_count(self) -> int:
@@ -506,6 +507,7 @@ class LoadResult:
             "client_cpu_s": round(self.client_cpu_s, 3),
             "client_cpu_pct": round(100.0 * self.client_cpu_s / self.duration_s, 1) if self.duration_s else 0.0,
             "aborted": self.aborted,
+            "interrupted": self.interrupted,
             "ok": self.ok,
         }
 
@@ -671,6 +673,7 @@ class _Run:
         self.loop = asyncio.get_running_loop()
         self.req = build_request(cfg, target)
         self.head = cfg.method == "HEAD"
+        self.idempotent = cfg.method in ("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE")
         self.keepalive = cfg.keepalive
         self.timeout = cfg.timeout
         self._open = 0
@@ -726,8 +729,10 @@ class _Run:
                     try:
                         status, keep = await conn.send(self.req, self.head)
                     except _Fail as e:
-                        if e.kind == "stale" and attempt == 0:
-                            res.retries += 1        # server closed an idle keep-alive connection
+                        if e.kind == "stale" and attempt == 0 and self.idempotent:
+                            # the server closed an idle keep-alive connection as we sent: it saw
+                            # nothing, so resend once (RFC 9110 9.2.2: idempotent methods only)
+                            res.retries += 1
                             conn = None
                             continue
                         raise
@@ -743,8 +748,9 @@ class _Run:
             res.record_error(kind, str(e))
             return kind
         except OSError as e:  # pragma: no cover - write errors surface via connection_lost
-            res.record_error("reset" if e.errno in (errno.ECONNRESET, errno.EPIPE) else "read", str(e))
-            return "read"
+            kind = "reset" if e.errno in (errno.ECONNRESET, errno.EPIPE) else "read"
+            res.record_error(kind, str(e))
+            return kind
         else:
             res.latency_hist.record(clock() - t0)
             res.requests += 1
@@ -788,6 +794,8 @@ class _Run:
                     self.sent += 1
                     # uniform: computed, not summed, so rate x duration arrivals exactly
                     nxt = nxt + rng.expovariate(rate) if poisson else start + self.sent / rate
+                # uvloop timers tick in whole ms: below half a tick yield instead of
+                # oversleeping, trading some CPU for sends close to their schedule
                 delay = nxt - time.perf_counter()
                 await asyncio.sleep(delay if delay > 0.0005 else 0)
             if tasks:
@@ -845,6 +853,7 @@ async def arun_load(config: LoadConfig, *, stop: asyncio.Event | None = None) ->
                                  return_when=asyncio.FIRST_COMPLETED)
     if main_task not in done:
         if stop is not None and stop.is_set():
+            result.interrupted = True
             run.end = time.perf_counter()  # clients stop sending; answers in flight may finish
             await asyncio.wait([main_task], timeout=cfg.timeout + 1.0)
         if not main_task.done():

@@ -10,6 +10,15 @@ Routes:
   (blake2b seed), so replies can be compared across workers.  The loop yields
   to the event loop every ``YIELD_EVERY`` tokens so concurrent requests share
   the worker and heartbeats keep flowing, like a batched inference server.
+- ``POST /v1/embeddings`` — OpenAI-style embeddings from a small numpy model
+  (hashed bag of words → 1024x1024 tanh layer → 256-d unit vector).  Its cost
+  is sub-linear in the batch size (one matrix product reads the weights once
+  for the whole batch), so concurrent requests are merged with
+  ``numaserve.batching.batch`` (``NUMASERVE_DEMO_BATCH=0`` turns that off,
+  ``NUMASERVE_DEMO_MAX_BATCH`` sets the size, default 32; window 5 ms).
+  Deterministic per input (up to float rounding), so it is declared
+  cacheable with ``[cache] deterministic_paths = ["/v1/embeddings"]``.
+  Needs numpy (503 with a reason when it is missing).
 - ``GET /v1/models`` — OpenAI list shape with the one demo model.
 - ``GET /`` — where am I: slot, node, pid, generation, cpus, mempolicy,
   hostname (from the ``NUMASERVE_*`` variables the supervisor sets).
@@ -236,6 +245,7 @@ _ROUTES: dict[str, tuple[str, ...]] = {
     "/healthz": ("GET", "HEAD"),
     "/v1/models": ("GET", "HEAD"),
     "/v1/completions": ("POST",),
+    "/v1/embeddings": ("POST",),
 }
 
 
@@ -277,6 +287,8 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await _send_json(send, 200, whoami())
     elif path == "/v1/models":
         await _send_json(send, 200, _models())
+    elif path == "/v1/embeddings":
+        await _embeddings(receive, send)
     else:
         await _completions(receive, send)
 
@@ -301,3 +313,115 @@ async def _completions(receive: Receive, send: Send) -> None:
         await _send_json(send, 400, _error(e.message, "invalid_request_error", e.param))
         return
     await _send_json(send, 200, reply)
+
+
+# --- embeddings: a batched numpy model -------------------------------------------------
+
+EMBED_HIDDEN = 1024
+EMBED_DIM = 256
+MAX_EMBED_INPUTS = 64
+BATCHING = os.environ.get("NUMASERVE_DEMO_BATCH", "1") != "0"
+_model_weights: Any = None
+
+
+def _weights() -> Any:
+    """The fixed random model (seeded), made on first use: W1 hidden x hidden, W2 hidden x dim."""
+    global _model_weights
+    if _model_weights is None:
+        import numpy as np
+
+        rng = np.random.default_rng(20240607)
+        w1 = (rng.standard_normal((EMBED_HIDDEN, EMBED_HIDDEN)) / np.sqrt(EMBED_HIDDEN)).astype(np.float32)
+        w2 = (rng.standard_normal((EMBED_HIDDEN, EMBED_DIM)) / np.sqrt(EMBED_HIDDEN)).astype(np.float32)
+        _model_weights = (w1, w2)
+    return _model_weights
+
+
+def embed_many(texts: list[str]) -> list[Any]:
+    """Unit vectors (float32 arrays) for ``texts``: one matmul for the whole list."""
+    import numpy as np
+
+    w1, w2 = _weights()
+    x = np.zeros((len(texts), EMBED_HIDDEN), dtype=np.float32)
+    for i, text in enumerate(texts):
+        for word in text.lower().split() or [""]:
+            h = _seed(word)
+            x[i, h % EMBED_HIDDEN] += 1.0 if (h >> 32) & 1 else -1.0
+    y = np.tanh(x @ w1) @ w2
+    y /= np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-6)
+    return list(y)
+
+
+async def _embed_unbatched(text: str) -> Any:
+    return embed_many([text])[0]
+
+
+def _make_batched() -> Any:
+    from numaserve.batching import batch
+
+    max_batch = _env_int("NUMASERVE_DEMO_MAX_BATCH") or 32
+
+    @batch(max_batch=max_batch, max_wait_ms=5)
+    async def embed_batched(texts: list[str]) -> list[Any]:
+        # in a thread: the loop keeps reading requests (the next batch) while numpy runs
+        return await asyncio.to_thread(embed_many, texts)
+
+    return embed_batched
+
+
+_embed_one: Any = None
+
+
+def embed_one() -> Any:
+    """The per-item entry point: batched unless ``NUMASERVE_DEMO_BATCH=0``."""
+    global _embed_one
+    if _embed_one is None:
+        _embed_one = _make_batched() if BATCHING else _embed_unbatched
+    return _embed_one
+
+
+async def _embeddings(receive: Receive, send: Send) -> None:
+    try:
+        raw = await _read_body(receive)
+    except _Disconnected:
+        return
+    if raw is None:
+        await _send_json(send, 413, _error(f"request body over {MAX_REQUEST_BYTES} bytes",
+                                           "invalid_request_error"))
+        return
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        await _send_json(send, 400, _error(f"invalid JSON body: {e}", "invalid_request_error"))
+        return
+    inp = body.get("input") if isinstance(body, dict) else None
+    texts = [inp] if isinstance(inp, str) else inp
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts) \
+            or len(texts) > MAX_EMBED_INPUTS:
+        await _send_json(send, 400, _error(f"input must be a string or a list of 1..{MAX_EMBED_INPUTS} strings",
+                                           "invalid_request_error", "input"))
+        return
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        await _send_json(send, 400, _error('encoding_format must be "float" or "base64"',
+                                           "invalid_request_error", "encoding_format"))
+        return
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        await _send_json(send, 503, _error("the embeddings model needs numpy (pip install numpy)", "server_error"))
+        return
+    fn = embed_one()
+    vectors = await asyncio.gather(*(fn(t) for t in texts))
+    data = []
+    for i, v in enumerate(vectors):
+        if fmt == "base64":
+            import base64
+
+            emb: Any = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+        else:
+            emb = [round(float(f), 6) for f in v]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    tokens = sum(_count_tokens(t) for t in texts)
+    await _send_json(send, 200, {"object": "list", "data": data, "model": body.get("model") or MODEL_ID,
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -172,6 +172,9 @@ def format_summary(res: LoadResult, cfg: LoadConfig | None = None, *, histogram:
         out.append(f"  Retried on a fresh connection (idle keep-alive closed by server): {res.retries}")
     if res.aborted:
         out.append(f"  Aborted: {res.aborted}")
+    if res.interrupted:
+        planned = f" of {cfg.duration:g}s" if cfg is not None else ""
+        out.append(f"  Interrupted after {res.duration_s:.2f}s{planned}")
     rps = res.rate
     out.append(f"Requests/sec: {rps:>10.2f}")
     tps = res.bytes_read / res.duration_s if res.duration_s > 0 else 0.0

@@ -81,6 +81,12 @@ class LeakSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     soft_cap_samples: int = 3                  # consecutive samples at/over the soft cap
     cap_metric: Metric = "rss"
     use_uss: bool = True                       # run the trend tests on USS too; act on the larger
+    # Recycling budget (supervisor): never two at once per node, spaced, bounded per hour.
+    recycle_spacing_s: float = 60.0            # at least this long between leak recycles on a node
+    recycle_worker_min_s: float = 900.0        # a worker is recycled for a leak at most this often
+    recycle_per_hour: int = 0                  # per node; 0: max(1, workers on the node / 2)
+    overload_shed_fraction: float = 0.05       # no trend recycle while the node sheds more than this
+    uss_interval_s: float = 10.0               # USS/PSS sampling interval (smaps_rollup)
 
     def __post_init__(self) -> None:
         problems = []

@@ -44,6 +44,7 @@ from numaserve.runtime import (
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.operations import Operation, OperationFailed, Operations
@@ -110,6 +111,8 @@ class Supervisor:
             p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
         }
         self.limits = LimitsManager(self)
+        self.leakwatch = LeakWatch(self)
+        self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
         self.irq_status: dict[str, Any] | None = None
@@ -304,6 +307,9 @@ class Supervisor:
                 self._watchdog(now)
                 self._verify(now)
                 self.limits.tick(now)
+                if now - self._last_mem >= 1.0:
+                    self._last_mem = now
+                    self.leakwatch.tick(now)
                 self._steer()
                 self._notify(now)
                 self._publish_stats(now)
@@ -583,8 +589,6 @@ class Supervisor:
             first = w.verified_at is None and (w.hello is not None or (w.external and now - w.started > 0.5))
             due = w.verified_at is not None and interval > 0 and now - w.verified_at >= interval
             if not (first or due):
-                if w.verified_at is None or now - w.verified_at >= 1.0:
-                    w.rss_bytes = _rss(w.pid) or w.rss_bytes
                 continue
             try:
                 observed = read_placement(w.pid)
@@ -593,7 +597,7 @@ class Supervisor:
                 )
             except (OSError, ValueError) as e:
                 ok, problems = False, [f"could not read /proc/{w.pid}: {e}"]
-            w.rss_bytes = _rss(w.pid) or w.rss_bytes
+            w.rss_bytes = read_statm_rss(w.pid) or w.rss_bytes
             changed = w.verified != ok or w.verify_problems != problems
             w.verified, w.verify_problems, w.verified_at = ok, problems, now
             if changed:
@@ -693,6 +697,22 @@ class Supervisor:
         except zmq.ZMQError:
             return False
 
+    async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
+                            timeout: float = 5.0) -> dict[str, Any]:
+        """Send one named command to one worker and wait for its Ack."""
+        slot = next(s for s in self.slots.values() if any(x is w for x in s.workers()))
+        cid = uuid.uuid4().hex[:12]
+        fut: asyncio.Future[m.Ack] = asyncio.get_running_loop().create_future()
+        self._acks[(cid, slot.plan.slot, w.generation)] = fut
+        await self._send(w, m.Command(id=cid, name=name, args=args))
+        try:
+            ack = await asyncio.wait_for(fut, timeout)
+            return {"ok": ack.ok, "detail": ack.detail}
+        except asyncio.TimeoutError:
+            return {"ok": False, "detail": f"no ack within {timeout:g}s"}
+        finally:
+            self._acks.pop((cid, slot.plan.slot, w.generation), None)
+
     def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
         """Fire-and-forget named command to one worker (its Ack is logged)."""
         if w.identity is None or w.external or w.popen.poll() is not None:
@@ -762,6 +782,7 @@ class Supervisor:
             d["queued"] = st.queued if st else 0
             d["shed"] = st.shed if st else 0
             d["limits"] = self.limits.status(slot)
+            d["memory"] = self.leakwatch.status(slot)
             out.append(d)
         return out
 
@@ -1006,14 +1027,6 @@ class Supervisor:
             "limits": {str(n): d for n, d in self.limits.last_decision.items()},
             "operations": self.operations.recent(),
         }
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) -> list[str]:

@@ -455,7 +455,7 @@ class NumaserveCollector(Collector):
                 b.count("numaserve_shed_requests_by_reason_total", "Requests refused by admission control, by reason",
                         SLOT_LABELS + ["reason"], lv + [str(reason)], _num(v))
         b.set("numaserve_admission_limit", "Effective in-flight limit of the worker's admission gate",
-              SLOT_LABELS, lv, _num(adm.get("limit")))
+              SLOT_LABELS, lv, _first(s, ("admission", "limit"), ("limits", "effective_limit")))
         overloaded = adm.get("codel_overloaded")
         if isinstance(overloaded, bool):
             b.set("numaserve_admission_overloaded", "1 while the worker's queue delay is over target (CoDel)",
@@ -503,24 +503,29 @@ class NumaserveCollector(Collector):
               SLOT_LABELS, lv, locality)
 
     def _slot_leak(self, b: _Builder, s: Mapping[str, Any]) -> None:
-        leak = s.get("leak")
-        if not isinstance(leak, Mapping):
-            return
+        """Leak detector output: the slot's ``memory`` dict (leakwatch status) or a ``leak`` dict."""
         lv = _slot_labels(s)
-        per_1000 = _first(leak, ("slope_bytes_per_1000_requests",), ("slope_per_1000_requests",),
-                          ("evidence", "slope_per_1000_requests"))
-        b.set("numaserve_leak_slope_bytes_per_1000_requests", "Robust memory slope over the request window",
-              SLOT_LABELS, lv, per_1000)
-        per_s = _first(leak, ("slope_bytes_per_second",))
-        if per_s is None:
-            per_min = _first(leak, ("slope_per_minute",), ("evidence", "slope_per_minute"))
-            per_s = per_min / 60.0 if per_min is not None else None
-        b.set("numaserve_leak_slope_bytes_per_second", "Robust memory slope over the time window",
-              SLOT_LABELS, lv, per_s)
-        verdict = leak.get("verdict", leak.get("kind"))
-        if isinstance(verdict, str):
-            b.one_hot("numaserve_leak_verdict", "Leak detector verdict (1 for the current one)", SLOT_LABELS, lv,
-                      "verdict", LEAK_VERDICTS, verdict)
+        for key in ("leak", "memory"):
+            leak = s.get(key)
+            if not isinstance(leak, Mapping):
+                continue
+            per_1000 = _first(leak, ("slope_bytes_per_1000_requests",), ("slope_per_1000_requests",),
+                              ("evidence", "slope_per_1000_requests"))
+            b.set("numaserve_leak_slope_bytes_per_1000_requests", "Robust memory slope over the request window",
+                  SLOT_LABELS, lv, per_1000)
+            per_s = _first(leak, ("slope_bytes_per_second",))
+            if per_s is None:
+                per_min = _first(leak, ("slope_per_minute",), ("evidence", "slope_per_minute"))
+                per_s = per_min / 60.0 if per_min is not None else None
+            b.set("numaserve_leak_slope_bytes_per_second", "Robust memory slope over the time window",
+                  SLOT_LABELS, lv, per_s)
+            b.set("numaserve_leak_budget_bytes", "Per-worker memory budget the leak caps are fractions of",
+                  SLOT_LABELS, lv, _num(leak.get("budget_bytes")) or None)
+            verdict = leak.get("verdict", leak.get("kind"))
+            if isinstance(verdict, str):
+                b.one_hot("numaserve_leak_verdict", "Leak detector verdict (1 for the current one)", SLOT_LABELS,
+                          lv, "verdict", LEAK_VERDICTS, verdict)
+            return
 
 
 def make_registry(collector: Collector) -> Any:

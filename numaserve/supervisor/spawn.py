@@ -13,18 +13,33 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
+from numaserve.allocator import AllocatorConfig, allocator_env
 from numaserve.config import Config
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
+from numaserve.framing import FramingConfig
 from numaserve.launch import build_launch_argv
 from numaserve.listeners import Listener
 from numaserve.placement import SlotPlan
+from numaserve.worker.cache import CacheConfig
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+from numaserve.worker.tls import TlsConfig, check_tls
 from numaserve.workerenv import slot_env
 
 CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
+
+
+def _section(cfg: Config, name: str, default: type[Any]) -> Any:
+    """A serving section of the config (its defaults when the schema lacks it)."""
+    return getattr(cfg, name, None) or default()
+
+
+def _checked_tls(tls: TlsConfig) -> TlsConfig:
+    """Cert and key are loaded once here, per spawn: a broken renewal fails the spawn clearly."""
+    check_tls(tls)
+    return tls
 
 
 def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Listener], control: str,
@@ -56,6 +71,10 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         access_log=s.access_log,
         admission=cfg.admission,
         gradient=cfg.gradient,
+        framing=_section(cfg, "framing", FramingConfig),
+        cache=_section(cfg, "cache", CacheConfig),
+        tls=_checked_tls(_section(cfg, "tls", TlsConfig)),
+        gc_freeze=_section(cfg, "allocator", AllocatorConfig).gc_freeze,
         log_level=cfg.log.level,
         log_format="json" if cfg.log.format == "auto" else cfg.log.format,
     )
@@ -114,6 +133,8 @@ def numaserve_env(cfg: Config, base: Mapping[str, str], plan: SlotPlan, generati
         env_cfg=cfg.env, inherited=base, generation=generation,
     )
     env["NUMASERVE_MEMPOLICY"] = plan.mempolicy + (":" + format_list(plan.memory_nodes) if plan.memory_nodes else "")
+    for key, value in allocator_env(_section(cfg, "allocator", AllocatorConfig), base).items():
+        env.setdefault(key, value)  # a value from [env] wins
     return env
 
 

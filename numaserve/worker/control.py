@@ -114,6 +114,27 @@ def _malloc_trim() -> bool:
         return False
 
 
+def _cache_command(cache: Any, name: str, args: dict[str, Any]) -> tuple[bool, str]:
+    """``cache_purge {prefix}`` / ``cache_version {version}`` on the worker's response cache."""
+    if name == "cache_purge":
+        prefix = args.get("prefix", "")
+        if not isinstance(prefix, str):
+            return False, "prefix must be a string"
+        if cache is None:
+            return True, "cache disabled: nothing to purge"
+        n = cache.purge(prefix)
+        return True, f"purged {n} entries" + (f" under {prefix}" if prefix else "") + f" (version {cache.version})"
+    version = args.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        return False, f"version must be an integer >= 0, got {version!r}"
+    if cache is None:
+        return True, f"cache disabled: version {version} noted"
+    if version < cache.version:
+        return True, f"version {version} is older than {cache.version}: kept"
+    dropped = cache.set_version(version)
+    return True, f"version {version}: dropped {dropped} entries"
+
+
 class CommandDispatcher:
     """Turns supervisor frames into worker actions and ``Ack`` replies.
 
@@ -163,6 +184,9 @@ class CommandDispatcher:
             self._ack(cmd.id)
         elif cmd.name == "set_limits":
             ok, detail = self.actions.set_limits(cmd.args)
+            self._ack(cmd.id, ok=ok, detail=detail)
+        elif cmd.name in ("cache_purge", "cache_version"):
+            ok, detail = _cache_command(getattr(self.actions, "cache", None), cmd.name, cmd.args)
             self._ack(cmd.id, ok=ok, detail=detail)
         elif cmd.name == "trim":
             collected = gc.collect()

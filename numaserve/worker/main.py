@@ -13,6 +13,7 @@ failure, not a crash: restarting will not help until something changes).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -26,9 +27,11 @@ import structlog.tracebacks
 
 from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
 from numaserve.worker.appload import AppLoadError, describe_exception, load_app
+from numaserve.worker.cache import CacheMiddleware, ResponseCache
 from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
 from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
 from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
+from numaserve.worker.sniff import frame_stats
 from numaserve.worker.spec import WorkerSpec, spec_from_env
 from numaserve.worker.stats import WorkerStats
 
@@ -99,6 +102,7 @@ class Worker:
         self.dispatcher: CommandDispatcher | None = None
         self.server: WorkerServer | None = None
         self.admission: Any = None  # AdmissionMiddleware when [admission] enabled
+        self.cache: ResponseCache | None = ResponseCache(spec.cache) if spec.cache.enabled else None
         self.orphaned = False
         self._stop_deadline: float | None = None  # time.monotonic() value
         self._stop_reason: str | None = None
@@ -211,6 +215,9 @@ class Worker:
                 extra["control_bad_frames"] = self.dispatcher.bad_frames
             if self.channel is not None:
                 extra["control_dropped"] = self.channel.dropped
+            extra.update(frame_stats())
+            if self.cache is not None:
+                extra.update(self.cache.stats())
             if self.admission is not None:
                 gate = self.admission.snapshot()
                 extra["admission"] = gate
@@ -305,6 +312,10 @@ class Worker:
             for s in socks:
                 s.close()
             return EXIT_APP_LOAD_FAILED, f"app load failed: {e}"
+        if spec.gc_freeze:
+            gc.freeze()  # import-time objects leave the GC's scans for good
+        if self.cache is not None:
+            app = CacheMiddleware(app, self.cache)
 
         inner: Any = BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats)
         if spec.admission.enabled:

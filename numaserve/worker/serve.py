@@ -246,10 +246,20 @@ def with_locality(protocol: Any, stats: Any, node_cpus: Sequence[int]) -> Any:
 def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None) -> uvicorn.Config:
     """The uvicorn Config for this worker (logging left to us: ``log_config=None``)."""
     http = _http_protocol(spec)
+    if spec.framing.enabled:  # frames and HTTP on the same port (numaserve.worker.sniff)
+        from numaserve.worker.sniff import sniffing_protocol
+
+        http = sniffing_protocol(http, spec.framing, read_timeout=spec.read_timeout)
     if stats is not None:
         http = with_locality(http, stats, spec.node_cpus)
+    tls: dict[str, Any] = {}
+    if spec.tls.enabled:  # context built here, in each new worker: reload picks up renewed files
+        from numaserve.worker.tls import ssl_context_factory
+
+        tls = {"ssl_context_factory": ssl_context_factory(spec.tls)}
     return uvicorn.Config(
         app,
+        **tls,
         lifespan="auto",
         http=http,
         loop="none",  # we run the loop ourselves

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import urllib.parse
 from typing import Any
 
@@ -56,7 +57,25 @@ COUNTERS: dict[str, int] = {
     "sniffed_http": 0,
 }
 
-_FIRST_READ = 16 * 1024
+#: The first read of every connection lands in a per-thread scratch buffer
+#: this big (asyncio's and uvloop's own read size), so HTTP sees the same
+#: first chunk as without sniffing; a frame connection copies that one chunk
+#: into its decoder, every later read goes straight into the decoder.
+_FIRST_READ = 256 * 1024
+_scratch = threading.local()
+#: After a protocol error the error frame is followed by FIN, then whatever
+#: the client still sends is read and dropped for up to this long / this many
+#: bytes before the close — closing with unread data would make the kernel
+#: send RST and the client could lose the error frame.
+_LINGER_S = 2.0
+_LINGER_BYTES = 64 * 1024 * 1024
+
+
+def _scratch_buffer() -> memoryview:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = memoryview(bytearray(_FIRST_READ))
+    return buf
 _DEADLINE_HEADER = b"x-request-timeout"
 
 
@@ -95,12 +114,14 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             self.app_state = app_state if app_state is not None else {}
             self.loop = _loop or asyncio.get_event_loop()
             self.transport: Any = None
-            self._decoder = FrameDecoder(settings.max_frame_bytes, initial=min(_FIRST_READ, settings.max_frame_bytes + 4))
+            self._decoder: FrameDecoder | None = None  # made when the first byte says "frames"
             self._mode = ""          # "" sniffing, "frames"
             self._inflight = 0
             self._read_paused = False   # we paused the transport
             self._write_paused = False  # the transport asked us to stop writing
             self._closing = False       # no more requests: close when in-flight is 0
+            self._linger = False        # protocol error: half-close and drain before closing
+            self._discarded = 0
             self._lost = False
             self._lost_event: asyncio.Event | None = None
             self._timer: asyncio.TimerHandle | None = None
@@ -122,24 +143,34 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             self._set_timer("first", read_timeout)
 
         def get_buffer(self, sizehint: int) -> memoryview:
+            if self._decoder is None or self._mode == "linger":
+                return _scratch_buffer()  # filled and consumed within this one read callback
             return self._decoder.get_buffer(sizehint)
 
         def buffer_updated(self, nbytes: int) -> None:
-            if not self._mode:
-                if nbytes <= 0:
+            if self._mode == "linger":
+                self._discarded += nbytes
+                if self._discarded > _LINGER_BYTES:
+                    self.transport.close()
+                return
+            if self._decoder is None:
+                if nbytes <= 0 or self._mode:
                     return
-                view = self._decoder.unread(nbytes)
-                if looks_like_http(view[0]):
-                    self._switch_to_http(bytes(view[:nbytes]))
+                first = _scratch_buffer()[:nbytes]
+                if looks_like_http(first[0]):
+                    self._switch_to_http(bytes(first))
                     return
                 self._mode = "frames"
                 COUNTERS["frame_connections"] += 1
-            self._decoder.buffer_updated(nbytes)
+                self._decoder = FrameDecoder(settings.max_frame_bytes)
+                self._decoder.feed_into(first)
+            else:
+                self._decoder.buffer_updated(nbytes)
             self._process()
 
         def eof_received(self) -> bool | None:
-            if not self._mode:
-                return None  # nothing sent: just close
+            if self._decoder is None or self._mode == "linger":
+                return None  # nothing sent, or the client finished after our error: close
             if self._decoder.pending:
                 COUNTERS["frame_errors"] += 1  # truncated frame: nobody left to answer
             if self._inflight:
@@ -180,8 +211,8 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             proto = http_cls(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
                              app_state=self.app_state, _loop=self.loop)
             proto.connection_made(self.transport)
+            self._mode = "http"
             self.transport.set_protocol(proto)
-            self._decoder = None  # type: ignore[assignment]  # give the buffer back
             proto.data_received(first)
 
         # --- frames ---------------------------------------------------------------------
@@ -227,8 +258,8 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             if not task.cancelled() and task.exception() is not None:
                 logger.error("frame request failed", exc_info=task.exception())
             if self._closing:
-                if self._inflight == 0 and not self.transport.is_closing():
-                    self.transport.close()
+                if self._inflight == 0:
+                    self._finish()
                 return
             self._maybe_resume()
             if not self._lost:
@@ -363,10 +394,26 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             logger.info("frame protocol error %d: %s", status, message)
             self._send_error(rid, status, message, as_json)
             self._closing = True
+            self._linger = True
             self._cancel_timer()
             self._pause_reading()
-            if self._inflight == 0 and not self.transport.is_closing():
-                self.transport.close()
+            if self._inflight == 0:
+                self._finish()
+
+        def _finish(self) -> None:
+            """Close a connection that has nothing in flight (half-close + drain after an error)."""
+            t = self.transport
+            if self._lost or t.is_closing():
+                return
+            if not (self._linger and t.can_write_eof()):
+                t.close()
+                return
+            self._mode = "linger"
+            t.write_eof()
+            self._set_timer("linger", _LINGER_S)
+            if self._read_paused:
+                self._read_paused = False
+                t.resume_reading()
 
         # --- timers -------------------------------------------------------------------------
 
@@ -401,6 +448,8 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             if kind == "partial" and self._decoder.pending:
                 self._fail(408, "frame not received in time", None, self._decoder.peek_payload_byte() == 0x7B)
             elif kind == "idle" and self._inflight == 0 and not self._decoder.pending:
+                self.transport.close()
+            elif kind == "linger":
                 self.transport.close()
             elif kind == "first" and not self._mode:
                 self.transport.close()  # connected, never sent a byte

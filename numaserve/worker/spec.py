@@ -6,8 +6,11 @@ import os
 
 import msgspec
 
+from numaserve.framing import FramingConfig
 from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.gradient import GradientSettings
+from numaserve.worker.cache import CacheConfig
+from numaserve.worker.tls import TlsConfig
 
 SPEC_ENV = "NUMASERVE_WORKER_SPEC"
 
@@ -38,6 +41,10 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     access_log: bool = False
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
     gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
+    framing: FramingConfig = msgspec.field(default_factory=FramingConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    gc_freeze: bool = True         # gc.freeze() right after the app is imported
     log_level: str = "info"
     log_format: str = "json"
 

@@ -25,8 +25,9 @@ class LoadLoop:
     ``max_seconds`` or ``max_requests`` per thread, whichever comes first."""
 
     def __init__(self, port: int, *, keepalive: int = 3, fresh: int = 3, path: str = "/",
-                 max_seconds: float = 60.0, max_requests: int = 20000, timeout: float = 15.0) -> None:
-        self.port, self.path, self.timeout = port, path, timeout
+                 max_seconds: float = 60.0, max_requests: int = 20000, timeout: float = 15.0,
+                 pace: float = 0.0) -> None:
+        self.port, self.path, self.timeout, self.pace = port, path, timeout, pace
         self.max_seconds, self.max_requests = max_seconds, max_requests
         self.result = LoadResult()
         self._lock = threading.Lock()
@@ -50,6 +51,8 @@ class LoadLoop:
         return self.result
 
     def _done(self, n: int) -> bool:
+        if self.pace and n:
+            self._stop.wait(self.pace)
         return self._stop.is_set() or n >= self.max_requests or time.monotonic() - self._t0 > self.max_seconds
 
     def _record(self, status: int | None, body: bytes, err: str | None) -> None:

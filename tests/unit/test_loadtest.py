@@ -413,7 +413,7 @@ def test_stop_event_ends_run_early(server: FakeServer) -> None:
 
     t0 = time.monotonic()
     r = asyncio.run(main())
-    assert time.monotonic() - t0 < 2.0 and r.requests > 0 and r.aborted is None
+    assert time.monotonic() - t0 < 2.0 and r.requests > 0 and r.aborted is None and r.interrupted
 
 
 def test_run_load_refuses_running_loop(server: FakeServer) -> None:

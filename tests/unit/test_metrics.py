@@ -6,7 +6,6 @@ import asyncio
 import copy
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,14 @@ def full_snapshot() -> dict[str, Any]:
     s0["totals"]["connections"] = {"local": 90, "remote": 10}
     s0["totals"]["locality_share"] = 0.9
     # slot 1: no supervisor limits yet; the worker's gate says what it applies
-    s1 = slot(1, 1, pss_bytes=31_000_000, leak={"kind": "ok"}, memory={"remote_share": 0.5},
-              admission={"limit": 10, "ceiling": None, "rate": 0.0, "burst": 1.0, "epoch": 11, "queued": 0,
+    s1 = slot(1, 1, queued=0, shed=5,
+              memory={"remote_share": 0.5, "uss_bytes": None, "pss_bytes": 31_000_000, "verdict": "ok",
+                      "reason": "no-trend", "detail": "", "slope_per_1000_requests": 1.0e5,
+                      "slope_per_minute": None, "history": [], "budget_bytes": 2 << 30},
+              limits={"mode": "auto", "concurrency": None, "rate": None, "burst": None, "epoch": None,
+                      "applied_epoch": 11, "source": None, "reason": None, "effective_limit": 10,
+                      "l1_limit": 10.0},
+              admission={"ceiling": None, "rate": 0.0, "burst": 1.0, "epoch": 11, "queued": 0,
                          "shed": {"overload": 3, "deadline": 2}, "codel_overloaded": True})
     s1["totals"]["connections"] = {"local": 5, "remote": 5, "unknown": 1}
     s1["totals"]["locality_share"] = 0.5
@@ -127,6 +132,7 @@ EXPECTED = {
     "numaserve_leak_slope_bytes_per_1000_requests": "gauge",
     "numaserve_leak_slope_bytes_per_second": "gauge",
     "numaserve_leak_verdict": "gauge",
+    "numaserve_leak_budget_bytes": "gauge",
     "numaserve_worker_restarts": "counter",
     "numaserve_binding_verified": "gauge",
     "numaserve_worker_remote_memory_ratio": "gauge",
@@ -220,7 +226,7 @@ def test_values_from_the_snapshot() -> None:
     assert value(text, "numaserve_worker_restarts_total", slot="0", reason="hung") == 0
     assert value(text, "numaserve_queued_requests", slot="0") == 4
     assert value(text, "numaserve_shed_requests_total", slot="0") == 7
-    assert value(text, "numaserve_shed_requests_total", slot="1") == 5  # sum of the gate's reasons
+    assert value(text, "numaserve_shed_requests_total", slot="1") == 5
     assert value(text, "numaserve_shed_requests_by_reason_total", slot="1", reason="overload") == 3
     assert value(text, "numaserve_shed_requests_total", slot="2") == 0  # admission data absent → 0
     assert value(text, "numaserve_limits_epoch", slot="0") == 12
@@ -243,7 +249,11 @@ def test_values_from_the_snapshot() -> None:
     assert value(text, "numaserve_leak_slope_bytes_per_second", slot="0") == 1.0e4
     assert value(text, "numaserve_leak_verdict", slot="0", verdict="suspect") == 1
     assert value(text, "numaserve_leak_verdict", slot="0", verdict="leak") == 0
-    assert value(text, "numaserve_leak_verdict", slot="1", verdict="ok") == 1
+    assert value(text, "numaserve_leak_verdict", slot="1", verdict="ok") == 1    # from the memory dict
+    assert value(text, "numaserve_leak_slope_bytes_per_1000_requests", slot="1") == 1.0e5
+    assert not samples(text, "numaserve_leak_slope_bytes_per_second", slot="1")
+    assert value(text, "numaserve_leak_budget_bytes", slot="1") == 2 << 30
+    assert not samples(text, "numaserve_worker_uss_bytes", slot="1")
     assert value(text, "numaserve_binding_verified", slot="0") == 1
     assert not samples(text, "numaserve_binding_verified", slot="2")  # unknown: absent, not a false 0
     assert value(text, "numaserve_accept_queue_depth", slot="0", address="127.0.0.1:8000") == 3

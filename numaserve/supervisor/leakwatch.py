@@ -1,0 +1,253 @@
+"""Leak recycling: measure every worker's memory from outside, judge the slope,
+and recycle leaking workers through the readiness-gated rolling path.
+
+Per worker: RSS (``/proc/PID/statm``) every tick (~1 s) and USS/PSS
+(``/proc/PID/smaps_rollup``) every ``leak.uss_interval_s``, with the worker's
+request count from its Stats, go to a ``LeakDetector`` (robust slope,
+significance, persistence, no plateau).  A ``suspect`` verdict first asks the
+worker to ``trim`` (gc.collect + malloc_trim) and re-measures; a confirmed
+``leak`` (or the soft cap) recycles the slot make-before-break, one worker at
+a time per node, spaced and budgeted, and never while the node is shedding
+load (losing 1/N capacity would deepen the overload) unless a cap is hit.
+The hard cap kills the worker at once.  Every verdict is logged with its
+evidence and shown in status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from numaserve.loops.leak import LeakDetector, Verdict, resolve_budget
+
+if TYPE_CHECKING:
+    from numaserve.supervisor.arbiter import Supervisor
+    from numaserve.supervisor.slots import SlotState, WorkerProc
+
+log = structlog.get_logger("numaserve.leak")
+
+
+def read_statm_rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_smaps_rollup(pid: int) -> dict[str, int]:
+    """Rss, Pss, Private_Clean + Private_Dirty (= USS) in bytes; {} when unreadable."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except (OSError, ValueError):
+        return {}
+    if "Private_Clean" in out or "Private_Dirty" in out:
+        out["Uss"] = out.get("Private_Clean", 0) + out.get("Private_Dirty", 0)
+    return out
+
+
+def mem_total_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+@dataclass
+class Watched:
+    detector: LeakDetector
+    generation: int
+    pid: int
+    last_uss: float = 0.0
+    uss: int | None = None
+    pss: int | None = None
+    verdict: Verdict | None = None
+    trimming: bool = False
+    recycling: bool = False
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=5))
+
+
+class LeakWatch:
+    def __init__(self, sup: "Supervisor") -> None:
+        self.sup = sup
+        self.watched: dict[int, Watched] = {}       # slot -> current worker's detector
+        self.recycles: dict[int, deque[float]] = {}  # node -> recycle times (last hour)
+        self.last_worker_recycle: dict[int, float] = {}
+        self.last_verdicts: dict[int, dict[str, Any]] = {}
+        self.budget = 0
+
+    @property
+    def settings(self) -> Any:
+        return self.sup.cfg.leak
+
+    def _budget(self) -> int:
+        if not self.budget:
+            self.budget = resolve_budget(self.settings, mem_total_bytes(), max(1, len(self.sup.slots)))
+        return self.budget
+
+    # ------------------------------------------------------------------ sampling
+
+    def tick(self, now: float) -> None:
+        for slot in self.sup.slots.values():
+            w = slot.worker
+            if w is None or w.popen.poll() is not None:
+                continue
+            rss = read_statm_rss(w.pid)
+            if rss is None:
+                continue
+            w.rss_bytes = rss
+            wd = self.watched.get(slot.plan.slot)
+            if wd is None or wd.generation != w.generation:
+                wd = self._start(slot, w, now)
+            if now - wd.last_uss >= self.settings.uss_interval_s:
+                roll = read_smaps_rollup(w.pid)
+                wd.uss, wd.pss = roll.get("Uss"), roll.get("Pss")
+                wd.last_uss = now
+            if not self.settings.enabled or w.ready is None or w.stop_sent is not None:
+                continue
+            requests = w.stats.requests if w.stats else 0
+            wd.detector.observe(now, requests, rss, wd.uss)
+            if wd.trimming or wd.recycling or not wd.detector.due(now):
+                continue
+            self._judge(slot, w, wd, wd.detector.evaluate(now), now)
+
+    def _start(self, slot: "SlotState", w: "WorkerProc", now: float) -> Watched:
+        det = LeakDetector(self.settings, now, budget_bytes=self._budget(),
+                           requests_at_spawn=0)
+        wd = Watched(detector=det, generation=w.generation, pid=w.pid)
+        self.watched[slot.plan.slot] = wd
+        return wd
+
+    # ------------------------------------------------------------------- verdicts
+
+    def _record(self, slot: "SlotState", wd: Watched, v: Verdict) -> None:
+        wd.verdict = v
+        ev = msgspec.to_builtins(v.evidence)
+        ev.pop("trends", None)
+        entry = {"kind": v.kind, "reason": v.reason, "detail": v.detail, "streak": v.streak, "evidence": ev,
+                 "generation": wd.generation, "pid": wd.pid, "ts": time.time()}
+        self.last_verdicts[slot.plan.slot] = entry
+        if v.kind in ("suspect", "leak", "soft_cap", "hard_cap"):
+            wd.history.append(entry)
+            (log.warning if v.kind != "suspect" else log.info)(
+                "leak_verdict", slot=slot.plan.slot, pid=wd.pid, verdict=v.kind, reason=v.reason, detail=v.detail,
+                slope_per_1000_requests=ev.get("slope_per_1000_requests"),
+                ci_per_1000_requests=ev.get("ci_per_1000_requests"), p_value=ev.get("p_value"),
+                flattening_ratio=ev.get("flattening_ratio"), window_requests=ev.get("window_requests"),
+                rss_bytes=ev.get("rss_bytes"), uss_bytes=ev.get("uss_bytes"),
+            )
+            self.sup.publish("leak_verdict", slot=slot.plan.slot, verdict=v.kind, reason=v.reason, detail=v.detail)
+
+    def _judge(self, slot: "SlotState", w: "WorkerProc", wd: Watched, v: Verdict, now: float) -> None:
+        self._record(slot, wd, v)
+        if v.kind == "hard_cap":
+            w.kill_reason = f"hard memory cap: {v.detail}"
+            log.error("leak_kill", slot=slot.plan.slot, pid=w.pid, reason=w.kill_reason)
+            self.sup._kill(w, now)
+            return
+        if v.kind == "suspect" and v.trim:
+            wd.trimming = True
+            asyncio.get_running_loop().create_task(self._trim(slot, w, wd))
+            return
+        if v.kind in ("leak", "soft_cap"):
+            self._maybe_recycle(slot, w, wd, v, now)
+
+    async def _trim(self, slot: "SlotState", w: "WorkerProc", wd: Watched) -> None:
+        try:
+            res = await self.sup.broadcast_one(w, "trim", {}, timeout=10.0)
+            await asyncio.sleep(0.5)
+            rss = read_statm_rss(w.pid) or w.rss_bytes
+            uss = read_smaps_rollup(w.pid).get("Uss")
+            v = wd.detector.after_trim(time.monotonic(), rss, uss)
+            log.info("leak_trim", slot=slot.plan.slot, pid=w.pid, ack=res, rss_after=rss, verdict=v.kind)
+            self._record(slot, wd, v)
+            if v.kind in ("leak", "soft_cap"):
+                self._maybe_recycle(slot, w, wd, v, time.monotonic())
+        finally:
+            wd.trimming = False
+
+    def _node_shedding(self, node: int) -> bool:
+        shed = admitted = 0
+        for s in self.sup.slots.values():
+            if s.plan.node != node or s.worker is None or s.worker.stats is None:
+                continue
+            gate = s.worker.stats.extra.get("admission") if isinstance(s.worker.stats.extra, dict) else None
+            if isinstance(gate, dict):
+                shed += sum(int(v) for v in (gate.get("shed") or {}).values())
+                admitted += int(gate.get("admitted", 0))
+                if gate.get("codel_overloaded"):
+                    return True
+        total = shed + admitted
+        return bool(total) and shed / total > self.settings.overload_shed_fraction
+
+    def _maybe_recycle(self, slot: "SlotState", w: "WorkerProc", wd: Watched, v: Verdict, now: float) -> None:
+        s = self.settings
+        node = slot.plan.node
+        times = self.recycles.setdefault(node, deque())
+        while times and now - times[0] > 3600:
+            times.popleft()
+        per_hour = s.recycle_per_hour or max(1, sum(1 for x in self.sup.slots.values() if x.plan.node == node) // 2)
+        cap = v.kind == "soft_cap"
+        why = None
+        if self.sup.operations.current is not None and self.sup.operations.current.state == "running":
+            why = f"operation {self.sup.operations.current.id} running"
+        elif not cap and self._node_shedding(node):
+            why = f"node {node} is shedding load: a recycle would deepen the overload"
+        elif not cap and times and now - times[-1] < s.recycle_spacing_s:
+            why = f"last recycle on node {node} {now - times[-1]:.0f}s ago (< {s.recycle_spacing_s:g}s)"
+        elif not cap and now - self.last_worker_recycle.get(slot.plan.slot, -1e9) < s.recycle_worker_min_s:
+            why = f"slot {slot.plan.slot} was recycled less than {s.recycle_worker_min_s:g}s ago"
+        elif not cap and len(times) >= per_hour:
+            why = f"restart budget exhausted ({per_hour}/hour on node {node}): caps only"
+        if why:
+            log.warning("leak_recycle_deferred", slot=slot.plan.slot, pid=w.pid, verdict=v.kind, why=why)
+            return
+        times.append(now)
+        self.last_worker_recycle[slot.plan.slot] = now
+        wd.recycling = True
+        reason = f"{'soft memory cap' if cap else 'leak'}: {v.detail}"
+        log.warning("leak_recycle", slot=slot.plan.slot, pid=w.pid, reason=reason)
+        try:
+            self.sup.operations.start(
+                "leak", {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
+                lambda op: self._recycle(op, slot, reason),
+            )
+        except Exception as e:  # another operation won the race: try again at the next verdict
+            wd.recycling = False
+            log.warning("leak_recycle_deferred", slot=slot.plan.slot, why=str(e))
+
+    async def _recycle(self, op: Any, slot: "SlotState", reason: str) -> str:
+        slot.last_restart_reason = reason
+        await self.sup.operations.replace_slot(op, slot, self.sup.cfg.ops.drain_timeout)
+        return f"slot {slot.plan.slot} recycled ({reason})"
+
+    def status(self, slot: "SlotState") -> dict[str, Any]:
+        wd = self.watched.get(slot.plan.slot)
+        v = self.last_verdicts.get(slot.plan.slot)
+        return {
+            "uss_bytes": wd.uss if wd else None,
+            "pss_bytes": wd.pss if wd else None,
+            "verdict": v["kind"] if v else None,
+            "reason": v["reason"] if v else None,
+            "detail": v["detail"] if v else None,
+            "slope_per_1000_requests": v["evidence"].get("slope_per_1000_requests") if v else None,
+            "slope_per_minute": v["evidence"].get("slope_per_minute") if v else None,
+            "history": list(wd.history) if wd else [],
+            "budget_bytes": self.budget or None,
+        }

@@ -1,0 +1,307 @@
+"""The sniffing protocol in-process, on asyncio and uvloop: HTTP and frames on one port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+import uvloop
+
+from numaserve.client import AsyncFrameClient, FrameClient, FrameClientError, Request
+from numaserve.framing import HEADER, FramingConfig, encode_frame, encode_request
+from numaserve.worker.middleware import BodyLimitMiddleware, MetricsMiddleware
+from numaserve.worker.serve import WorkerServer, build_config
+from numaserve.worker.spec import WorkerSpec
+from numaserve.worker.stats import WorkerStats
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+async def echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            m = await receive()
+            if m["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    path = scope["path"]
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    if path == "/boom":
+        raise RuntimeError("boom")
+    if path == "/noresp":
+        return
+    if path == "/slow":
+        await asyncio.sleep(int(scope["query_string"].split(b"=")[1]) / 1000)
+    out = body if path == "/echo" else f"{scope['method']} {path} {scope['scheme']}".encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(out)).encode())]})
+    half = len(out) // 2
+    await send({"type": "http.response.body", "body": out[:half], "more_body": True})
+    await send({"type": "http.response.body", "body": out[half:], "more_body": False})
+
+
+def make_spec(**kw: Any) -> WorkerSpec:
+    base: dict[str, Any] = dict(slot=0, node=0, generation=1, cpus=[0], mempolicy="local",
+                                memory_nodes=[0], fd=-1, control="ipc:///nonexistent", read_timeout=5.0,
+                                max_body_bytes=1 << 20)
+    base.update(kw)
+    return WorkerSpec(**base)
+
+
+@contextlib.asynccontextmanager
+async def serving(**spec_kw: Any) -> AsyncIterator[tuple[WorkerServer, int, WorkerStats]]:
+    spec = make_spec(**spec_kw)
+    stats = WorkerStats()
+    app = MetricsMiddleware(BodyLimitMiddleware(echo_app, spec.max_body_bytes, spec.read_timeout, stats), stats)
+    server = WorkerServer(build_config(spec, app, stats=stats))
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(64)
+    task = asyncio.ensure_future(server.serve(sockets=[lst]))
+    try:
+        for _ in range(300):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started
+        yield server, lst.getsockname()[1], stats
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        lst.close()
+
+
+def run(loop: str, coro: Any) -> None:
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as r:
+        r.run(coro)
+
+
+async def http_get(port: int, path: str) -> bytes:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    out = await asyncio.wait_for(r.read(), 5)
+    w.close()
+    return out
+
+
+async def in_thread(fn: Callable[[], Any]) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def loop(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_http_and_frames_share_the_port(loop: str) -> None:
+    async def main() -> None:
+        async with serving() as (_, port, stats):
+            assert (await http_get(port, "/a")).startswith(b"HTTP/1.1 200")
+            async with AsyncFrameClient("127.0.0.1", port) as c:
+                r = await c.request("GET", "/b")
+                assert (r.status, r.body, r.header("content-type")) == (200, b"GET /b http", "text/plain")
+                r = await c.request("POST", "/echo", body=b"\x00\xffbinary")
+                assert r.body == b"\x00\xffbinary"
+            async with AsyncFrameClient("127.0.0.1", port, encoding="json") as c:
+                r = await c.request("POST", "/echo", body={"k": [1, 2]})
+                assert r.status == 200 and r.json() == {"k": [1, 2]}
+
+            def sync() -> None:
+                with FrameClient("127.0.0.1", port) as fc:
+                    assert fc.request("GET", "/c").body == b"GET /c http"
+                    assert fc.request("GET", "/d").body == b"GET /d http"  # same connection reused
+            await in_thread(sync)
+            assert stats.requests == 6  # frames went through the same middleware as HTTP
+            assert (await http_get(port, "/e")).startswith(b"HTTP/1.1 200")
+    run(loop, main())
+
+
+def test_pipelining_out_of_order_replies(loop: str) -> None:
+    async def main() -> None:
+        async with serving() as (_, port, _stats):
+            async with AsyncFrameClient("127.0.0.1", port) as c:
+                t0 = time.monotonic()
+                delays = [200, 10, 150, 0, 100] * 4
+                rs = await asyncio.gather(*(c.request("GET", f"/slow?ms={d}") for d in delays))
+                assert all(r.status == 200 and r.body == b"GET /slow http" for r in rs)
+                assert time.monotonic() - t0 < 1.5  # concurrent, not 20 x sequential
+
+            def sync() -> list[Any]:
+                with FrameClient("127.0.0.1", port) as fc:
+                    return fc.pipeline([Request("GET", "/slow?ms=100"), Request("POST", "/echo", body=b"x"),
+                                        Request("GET", "/slow?ms=0")])
+            rs = await in_thread(sync)
+            assert [r.body for r in rs] == [b"GET /slow http", b"x", b"GET /slow http"]
+    run(loop, main())
+
+
+def test_pipeline_limit_applies_backpressure(loop: str) -> None:
+    async def main() -> None:
+        async with serving(framing=FramingConfig(max_pipeline=2)) as (_, port, _stats):
+            async with AsyncFrameClient("127.0.0.1", port) as c:
+                t0 = time.monotonic()
+                rs = await asyncio.gather(*(c.request("GET", "/slow?ms=100") for _ in range(6)))
+                assert all(r.status == 200 for r in rs)
+                assert time.monotonic() - t0 >= 0.28  # 3 rounds of 2
+    run(loop, main())
+
+
+def test_oversized_frame_gets_413_and_close_then_serving_goes_on(loop: str) -> None:
+    async def main() -> None:
+        async with serving(framing=FramingConfig(max_frame_bytes=1000)) as (_, port, _stats):
+            def sync() -> None:
+                with FrameClient("127.0.0.1", port, encoding="json") as fc:
+                    fc.send_raw(HEADER.pack(5000) + b'{"id":1')
+                    r = fc.read_response()
+                    assert r.status == 413 and "exceeds" in (r.error or "")
+                    with pytest.raises(FrameClientError):
+                        fc.read_response()  # closed
+                with FrameClient("127.0.0.1", port) as fc:
+                    assert fc.request("GET", "/ok").status == 200
+            await in_thread(sync)
+    run(loop, main())
+
+
+def test_truncated_frame_times_out_with_408_and_eof_mid_frame_closes(loop: str) -> None:
+    async def main() -> None:
+        async with serving(read_timeout=0.3) as (_, port, _stats):
+            def sync() -> None:
+                with FrameClient("127.0.0.1", port) as fc:
+                    frame = encode_frame(encode_request(1, "GET", "/x"))
+                    fc.send_raw(frame[:-3])
+                    t0 = time.monotonic()
+                    r = fc.read_response()
+                    assert r.status == 408 and time.monotonic() - t0 < 3
+                    with pytest.raises(FrameClientError):
+                        fc.read_response()
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(frame[:6])
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(3)
+                assert s.recv(100) == b""  # closed without an answer
+                s.close()
+                with FrameClient("127.0.0.1", port) as fc:
+                    assert fc.request("GET", "/ok").status == 200
+            await in_thread(sync)
+    run(loop, main())
+
+
+def test_bad_payload_is_400_and_close_after_in_flight_replies(loop: str) -> None:
+    async def main() -> None:
+        async with serving() as (_, port, _stats):
+            def sync() -> None:
+                with FrameClient("127.0.0.1", port, encoding="json") as fc:
+                    fc.send_raw(encode_frame(encode_request(1, "GET", "/slow?ms=150", as_json=True))
+                                + encode_frame(b'{"id": 2, "method": 3}'))
+                    first = fc.read_response()
+                    assert (first.id, first.status) == (2, 400)
+                    assert first.json()["error"]["type"] == "protocol_error"
+                    second = fc.read_response()
+                    assert (second.id, second.status) == (1, 200)  # in-flight request still answered
+                    with pytest.raises(FrameClientError):
+                        fc.read_response()
+            await in_thread(sync)
+    run(loop, main())
+
+
+def test_app_errors_timeouts_and_limits_use_the_error_classes(loop: str) -> None:
+    async def main() -> None:
+        async with serving(max_connections=3) as (_, port, stats):
+            async with AsyncFrameClient("127.0.0.1", port) as c:
+                r = await c.request("GET", "/boom")
+                assert r.status == 500 and r.json()["error"]["type"] == "internal"
+                r = await c.request("GET", "/noresp")
+                assert r.status == 500
+                r = await c.request("GET", "/slow?ms=2000", timeout=0.2)
+                assert r.status == 504 and r.json()["error"]["type"] == "timeout"
+                rs = await asyncio.gather(*(c.request("GET", "/slow?ms=200") for _ in range(5)))
+                statuses = sorted(r.status for r in rs)
+                assert 503 in statuses and 200 in statuses
+                assert all(r.header("retry-after") for r in rs if r.status == 503)
+                assert (await c.request("GET", "/still-open")).status == 200
+            body = b"x" * ((1 << 20) + 1)
+            async with AsyncFrameClient("127.0.0.1", port) as c:
+                r = await c.request("POST", "/echo", body=body)  # frame limit 1 MiB default
+            assert r.status == 413
+            assert stats.status_classes.get("5xx", 0) >= 2
+    run(loop, main())
+
+
+def test_body_limit_middleware_applies_to_frames(loop: str) -> None:
+    async def main() -> None:
+        async with serving(max_body_bytes=100) as (_, port, _stats):
+            async with AsyncFrameClient("127.0.0.1", port) as c:
+                r = await c.request("POST", "/echo", body=b"y" * 200)
+                assert r.status == 413
+    run(loop, main())
+
+
+def test_drain_closes_idle_frame_connections(loop: str) -> None:
+    async def main() -> None:
+        async with serving() as (server, port, _stats):
+            c = AsyncFrameClient("127.0.0.1", port)
+            assert (await c.request("GET", "/x")).status == 200
+            assert server.connection_count == 1
+            pending = asyncio.ensure_future(c.request("GET", "/slow?ms=200"))
+            await asyncio.sleep(0.05)
+            server.shutdown_connections()
+            assert (await pending).status == 200  # busy: answered first, then closed
+            await asyncio.sleep(0.1)
+            assert server.connection_count == 0
+            assert (await c.request("GET", "/x")).status == 200  # the client reconnects
+            await c.close()
+    run(loop, main())
+
+
+def test_silent_connection_is_closed_after_read_timeout(loop: str) -> None:
+    async def main() -> None:
+        async with serving(read_timeout=0.2) as (server, port, _stats):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            assert await asyncio.wait_for(r.read(), 3) == b""
+            w.close()
+    run(loop, main())
+
+
+def test_tls_serves_http_and_frames(loop: str, tmp_path: Any) -> None:
+    import ssl
+    import subprocess
+
+    from numaserve.worker.tls import TlsConfig
+
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    ctx = ssl.create_default_context(cafile=str(cert))
+
+    async def main() -> None:
+        async with serving(tls=TlsConfig(certfile=str(cert), keyfile=str(key))) as (_, port, _stats):
+            async with AsyncFrameClient("127.0.0.1", port, ssl=ctx, server_hostname="localhost") as c:
+                r = await c.request("GET", "/t")
+                assert r.body == b"GET /t https"
+            rd, w = await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
+            w.write(b"GET /h HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            out = await asyncio.wait_for(rd.read(), 5)
+            assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"GET /h https")
+            w.close()
+    run(loop, main())
+
+
+def test_frames_can_be_switched_off() -> None:
+    spec = make_spec(framing=FramingConfig(enabled=False))
+    cfg = build_config(spec, echo_app)
+    assert "Sniffing" not in getattr(cfg.http, "__name__", str(cfg.http))
+    assert threading.active_count() >= 1
