@@ -27,6 +27,7 @@ from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.leak import LeakSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
+from numaserve.supervisor.admin import AdminConfig
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
@@ -128,6 +129,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     irq: IrqSettings = msgspec.field(default_factory=IrqSettings)
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
@@ -215,6 +217,11 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         except ValueError as e:
             why = "" if str(e).startswith("expected HOST:PORT") else f" ({e})"
             raise bad("server", "bind", b, f"HOST:PORT, [IPV6]:PORT or :PORT{why}") from None
+    if cfg.admin.bind:
+        try:
+            parse_bind(cfg.admin.bind)
+        except ValueError as e:
+            raise bad("admin", "bind", cfg.admin.bind, f'HOST:PORT, [IPV6]:PORT, or "" to disable ({e})') from None
     if cfg.server.app and cfg.server.cmd:
         raise bad("server", "cmd", cfg.server.cmd, "either server.app or server.cmd, not both")
     if cfg.server.app and not _APP_RE.match(cfg.server.app):

@@ -52,6 +52,7 @@ from numaserve.errors import UsageError
 
 __all__ = [
     "ERROR_KINDS",
+    "MAX_BACKLOG",
     "LatencyRecorder",
     "LoadConfig",
     "LoadConfigError",
@@ -69,6 +70,10 @@ __all__ = [
 
 #: Error kinds, in the order they are reported.
 ERROR_KINDS: tuple[str, ...] = ("connect", "read", "timeout", "reset")
+
+#: Open loop: most requests outstanding in the client (a far-too-high rate
+#: must not grow memory without bound); arrivals beyond it count as timeouts.
+MAX_BACKLOG = 50_000
 
 _PERCENTILES: tuple[tuple[str, float], ...] = (
     ("p50", 0.50), ("p75", 0.75), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999),
@@ -440,6 +445,8 @@ class LoadResult:
     client_cpu_s: float = 0.0
     aborted: str | None = None
     interrupted: bool = False       # ``stop`` was set before the duration ran out
+    pool_timeouts: int = 0          # open loop: timed out still waiting for a free connection
+    backlog_drops: int = 0          # open loop: arrivals over MAX_BACKLOG, counted as timeouts
 
     @property
     def error_count(self) -> int:
@@ -504,6 +511,8 @@ class LoadResult:
             "connects": self.connects,
             "peak_connections": self.peak_connections,
             "retries": self.retries,
+            "pool_timeouts": self.pool_timeouts,
+            "backlog_drops": self.backlog_drops,
             "client_cpu_s": round(self.client_cpu_s, 3),
             "client_cpu_pct": round(100.0 * self.client_cpu_s / self.duration_s, 1) if self.duration_s else 0.0,
             "aborted": self.aborted,
@@ -545,17 +554,19 @@ class _Conn(asyncio.Protocol):
         self._nread = 0
         self._headers_done = False
         self._framed = False
+        self._counted = False
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.run.open_connections(+1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed:
             return
         self.closed = True
-        self.run.open_connections(-1)
+        if self._counted:
+            self._counted = False
+            self.run.open_connections(-1)
         fut, self._fut = self._fut, None
         if fut is None or fut.done():
             return
@@ -630,6 +641,9 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
+            if self._counted:              # gone for us now, even if the loop finalizes it later
+                self._counted = False
+                self.run.open_connections(-1)
             self.transport.close()
 
 
@@ -699,6 +713,9 @@ class _Run:
             if i:
                 self.addrs.insert(0, self.addrs.pop(i))
             self.result.connects += 1
+            if not conn.closed:        # counted only once really ours (a cancelled connect is not)
+                conn._counted = True
+                self.open_connections(+1)
             return conn  # type: ignore[return-value]
         err = last.strerror if last is not None and last.strerror else str(last)
         raise _Fail("connect", f"cannot connect to {self.target.host}:{self.target.port}: {err}")
@@ -738,6 +755,11 @@ class _Run:
                         raise
                     break
         except TimeoutError:
+            if phase == "wait":
+                res.pool_timeouts += 1
+                res.record_error("timeout", f"no free connection within {self.timeout:g}s "
+                                            f"(all {self.cfg.clients} busy)")
+                return "timeout"
             kind = "connect" if phase == "connect" else "timeout"
             msg = ("connect timed out" if kind == "connect" else
                    f"no complete response within {self.timeout:g}s")
@@ -788,9 +810,14 @@ class _Run:
             while self.sent < limit and nxt < self.end:
                 now = time.perf_counter()
                 while nxt <= now and self.sent < limit and nxt < self.end:
-                    t = self.loop.create_task(self.request(pool, nxt))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
+                    if len(tasks) < MAX_BACKLOG:
+                        t = self.loop.create_task(self.request(pool, nxt))
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
+                    else:
+                        self.result.backlog_drops += 1
+                        self.result.record_error("timeout", f"client backlog of {MAX_BACKLOG} requests full "
+                                                            "(the target cannot keep up with the rate)")
                     self.sent += 1
                     # uniform: computed, not summed, so rate x duration arrivals exactly
                     nxt = nxt + rng.expovariate(rate) if poisson else start + self.sent / rate

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "top": "numaserve.cli.ops_cmd:top",
     "ops": "numaserve.cli.ops_cmd:ops",
     "ratelimit": "numaserve.cli.ratelimit_cmd:ratelimit",
+    "systemd": "numaserve.cli.systemd_cmd:systemd",
     "irq": "numaserve.cli.irq_cmd:irq",
     "doctor": "numaserve.cli.doctor_cmd:doctor",
 }

@@ -168,6 +168,9 @@ def format_summary(res: LoadResult, cfg: LoadConfig | None = None, *, histogram:
         for k in ERROR_KINDS:
             if k in res.error_samples:
                 out.append(f"    {k}: {res.error_samples[k]}")
+        if res.pool_timeouts or res.backlog_drops:
+            out.append(f"    {res.pool_timeouts + res.backlog_drops} timeouts never got a connection: "
+                       f"raise --connections (now {res.connections_max}) or lower --rate")
     if res.retries:
         out.append(f"  Retried on a fresh connection (idle keep-alive closed by server): {res.retries}")
     if res.aborted:

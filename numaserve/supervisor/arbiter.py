@@ -42,6 +42,7 @@ from numaserve.runtime import (
     tight_umask,
 )
 from numaserve.supervisor import slots as S
+from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_socket, start_admin
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
@@ -143,6 +144,9 @@ class Supervisor:
         self.sticky: dict[str, dict[str, Any]] = {}
         self.wake = asyncio.Event()
         self.notifier = Notifier()
+        self.heartbeat = LoopHeartbeat()          # beaten every loop tick; /healthz reads it
+        self.admin: AdminHandle | None = None
+        self.admin_sock: Any = None               # bound in open(), served from run()
         self.last_status_line = ""
         self._last_stats_pub = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
@@ -155,6 +159,7 @@ class Supervisor:
         self.listeners = open_listeners(
             self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
         )
+        self.admin_sock = open_admin_socket(self.cfg.admin)  # a taken port fails the start, before any worker
         self._apply_irqs()
         self.steering = Steering(
             self.listeners,
@@ -286,11 +291,18 @@ class Supervisor:
         ]
         if self.ops_tcp is not None:
             self._tasks.append(asyncio.create_task(self._ops_loop(self.ops_tcp, "tcp-curve"), name="ops-tcp"))
+        if self.admin_sock is not None:
+            try:
+                self.admin = await start_admin(self, self.cfg.admin, sock=self.admin_sock)
+            except NumaserveError as e:  # serving matters more than metrics: say so loudly, go on
+                log.error("admin_failed", error=str(e))
+            self.admin_sock = None
         now = time.monotonic()
         for slot in self.slots.values():
             self._start_worker(slot, now)
         try:
             while True:
+                self.heartbeat.beat()
                 now = time.monotonic()
                 self._reap(now)
                 if self.stopping:
@@ -322,6 +334,9 @@ class Supervisor:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.admin is not None:
+                await self.admin.stop()
+                self.admin = None
             self.close()
         if self.fatal:
             return self.exit_code if self.exit_code != EXIT_OK else EXIT_ERROR
@@ -337,6 +352,9 @@ class Supervisor:
                     except Exception:
                         pass
         self.listeners.close()
+        if self.admin_sock is not None:  # open() failed after binding it
+            self.admin_sock.close()
+            self.admin_sock = None
         self._restore_irqs()
         for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
             if sock is not None:
@@ -858,7 +876,7 @@ class Supervisor:
         out = self.steering.status()
         local = remote = 0
         for s in self.slots.values():
-            c = s.totals_before.combined(s.worker.stats if s.worker else None)["connections"]
+            c = s.totals_before.combined(*(x.stats for x in s.workers()))["connections"]
             local += c.get("local", 0)
             remote += c.get("remote", 0)
         out["connections_local"] = local
@@ -1017,6 +1035,7 @@ class Supervisor:
                 },
                 "bad_messages": self.bad_messages,
                 "steering": self._steering_status(),
+                "admin": self.admin.address if self.admin else None,
                 "irq": self.irq_status,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),
                 "cmd": self.cfg.server.cmd,
@@ -1043,6 +1062,8 @@ def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) ->
     b = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in new_plan.slots]
     if a != b:
         out.append("the placement plan changed (nodes, workers per node, CPUs or memory policy)")
+    if old.admin != new.admin:
+        out.append("admin.bind/admin.enabled changed")
     if old.supervisor.runtime_dir != new.supervisor.runtime_dir:
         out.append("supervisor.runtime_dir changed")
     if old.ops != new.ops:

@@ -34,10 +34,17 @@ class Totals:
     latency_sum_ms: float = 0.0
     restarts_by_reason: dict[str, int] = field(default_factory=dict)
     connections: dict[str, int] = field(default_factory=dict)   # local / remote / unknown
+    shed: int = 0
+    shed_by_reason: dict[str, int] = field(default_factory=dict)
 
     def add_stats(self, stats: Stats | None) -> None:
         if stats is None:
             return
+        self.shed += int(stats.shed or 0)
+        gate = stats.extra.get("admission") if isinstance(stats.extra, dict) else None
+        if isinstance(gate, dict) and isinstance(gate.get("shed"), dict):
+            for k, v in gate["shed"].items():
+                self.shed_by_reason[k] = self.shed_by_reason.get(k, 0) + int(v)
         if isinstance(stats.extra, dict):
             for k in ("local", "remote", "unknown"):
                 v = stats.extra.get(f"connections_{k}")
@@ -54,11 +61,13 @@ class Totals:
             self.latency_count += int(stats.extra.get("latency_count", 0))
             self.latency_sum_ms += float(stats.extra.get("latency_sum_ms", 0.0))
 
-    def combined(self, stats: Stats | None) -> dict[str, Any]:
-        """These totals plus the live worker's own counters."""
+    def combined(self, *stats: Stats | None) -> dict[str, Any]:
+        """These totals plus the live workers' own counters (current, incoming, retiring)."""
         t = Totals(dict(self.status_classes), list(self.latency_buckets), self.latency_count,
-                   self.latency_sum_ms, dict(self.restarts_by_reason), dict(self.connections))
-        t.add_stats(stats)
+                   self.latency_sum_ms, dict(self.restarts_by_reason), dict(self.connections), self.shed,
+                   dict(self.shed_by_reason))
+        for st in stats:
+            t.add_stats(st)
         known = t.connections.get("local", 0) + t.connections.get("remote", 0)
         return {
             "connections": t.connections,
@@ -68,6 +77,8 @@ class Totals:
             "latency_count": t.latency_count,
             "latency_sum_ms": round(t.latency_sum_ms, 3),
             "restarts_by_reason": t.restarts_by_reason,
+            "shed": t.shed,
+            "shed_by_reason": t.shed_by_reason,
         }
 
 
@@ -185,7 +196,7 @@ class SlotState:
             "connections": stats.connections if stats else 0,
             "latency_ms": dict(stats.latency_ms) if stats else {},
             "status_classes": dict(stats.status_classes) if stats else {},
-            "totals": self.totals_before.combined(stats),
+            "totals": self.totals_before.combined(*(x.stats for x in self.workers())),
             "env": dict(w.env) if w else {},
             "loop_lag_s": round(w.loop_lag, 4) if w else None,
             "last_heartbeat_s": round(now - w.last_beat, 3) if w and w.last_beat else None,

@@ -30,6 +30,8 @@ backoff_max = 2.0
 backoff_reset_after = 30.0
 abort_grace = 1.0
 verify_interval = 2.0
+[admin]
+bind = "127.0.0.1:0"
 [log]
 level = "info"
 format = "json"

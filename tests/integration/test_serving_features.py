@@ -176,7 +176,7 @@ def test_cache_purge_and_bump_reach_every_worker_with_acks() -> None:
         rc, out, data = _cache_cli(sup, "purge", "--json")
         assert rc == 0 and data is not None and data["workers"] == 2, out
         assert all("(version 1)" in a["detail"] for a in data["acks"].values()), data
-        rc, out, _ = _cache_cli(sup, "version")
+        rc, out, _ = _cache_cli(sup, "version", "--no-json")
         assert rc == 0 and out.strip() == "1"
 
 

@@ -353,6 +353,25 @@ def test_timeouts_counted_and_run_bounded(server: FakeServer) -> None:
     assert r.latency_hist.count == 0
 
 
+def test_open_loop_pool_bound_and_pool_timeouts(server: FakeServer) -> None:
+    r = run_load(LoadConfig(server.url("/slow"), rate=50, duration=0.4, timeout=0.5, connections=4,
+                            arrivals="uniform"))
+    assert r.peak_connections == 4 and server.connections <= 4 + 1
+    assert r.requests == 0 and r.errors["timeout"] == 20
+    assert r.pool_timeouts == 16                        # only 4 ever got a connection
+    d = r.to_dict()
+    assert d["pool_timeouts"] == 16 and d["backlog_drops"] == 0
+
+
+def test_open_loop_backlog_is_bounded(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numaserve.loadtest as lt
+
+    monkeypatch.setattr(lt, "MAX_BACKLOG", 5)
+    r = run_load(LoadConfig(server.url("/slow"), rate=100, duration=0.2, timeout=0.3, connections=2,
+                            arrivals="uniform"))
+    assert r.backlog_drops == 15 and r.errors["timeout"] == 20 and r.requests == 0
+
+
 def test_late_answer_is_a_timeout_not_a_response(server: FakeServer) -> None:
     r = run_load(LoadConfig(server.url("/slow"), concurrency=1, requests=1, timeout=0.9))
     assert r.requests == 0 and r.errors["timeout"] == 1
