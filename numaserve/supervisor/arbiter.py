@@ -897,6 +897,9 @@ class Supervisor:
         except NumaserveError as e:
             log.error("reload_refused", signal="SIGHUP", reason=str(e))
             self.audit.record(who=who, channel="signal", verb="reload", args={}, op_id="", ok=False, result=str(e))
+            if self.notifier.enabled:  # Type=notify-reload waits for RELOADING=1 then READY=1
+                self.notifier.reloading()
+                self.notifier.send(READY=1, STATUS=f"{self.status_line()} (reload refused: {e})"[:500])
             return
         log.info("reload_requested", signal="SIGHUP", op=op.id)
         op.on_finish.append(lambda o: self.audit.record(
