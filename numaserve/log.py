@@ -51,6 +51,32 @@ def _add_process(process: str) -> structlog.types.Processor:
     return add
 
 
+# Event sinks: callables that get a copy of every structured event (after
+# level filtering) — the supervisor forwards its lifecycle events to the
+# ZeroMQ PUB stream this way, so the stream and the journal carry the same
+# records without each call site publishing twice.
+_SINKS: list[Any] = []
+
+
+def add_event_sink(sink: Any) -> None:
+    if sink not in _SINKS:
+        _SINKS.append(sink)
+
+
+def remove_event_sink(sink: Any) -> None:
+    if sink in _SINKS:
+        _SINKS.remove(sink)
+
+
+def _to_sinks(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for sink in list(_SINKS):
+        try:
+            sink(dict(event_dict))
+        except Exception:  # a broken sink must never break logging
+            pass
+    return event_dict
+
+
 def configure_logging(
     level: str = "info",
     fmt: str = "auto",
@@ -127,6 +153,7 @@ def configure_logging(
             structlog.stdlib.filter_by_level,
             *shared,
             structlog.stdlib.PositionalArgumentsFormatter(),
+            _to_sinks,
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),

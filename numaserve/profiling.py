@@ -149,13 +149,15 @@ def slot_worker_pid(status: Mapping[str, Any], slot: int) -> int:
 
 
 def default_output(slot: int, pid: int, fmt: str, now: float | None = None) -> Path:
+    """A name that says what was sampled and when, so profiles from several runs do not clash."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return Path(f"numaserve-slot{slot}-pid{pid}-{stamp}{FORMATS[fmt]}")
 
 
-def py_spy_argv(py_spy: str, pid: int, *, duration: float, fmt: str, output: Path, rate: int,
+def py_spy_argv(py_spy: str, pid: int, *, duration: int, fmt: str, output: Path, rate: int,
                 native: bool = False, idle: bool = False, nonblocking: bool = False) -> list[str]:
-    argv = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(duration))),
+    """The ``py-spy record`` command line (py-spy takes whole seconds)."""
+    argv = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, int(duration))),
             "--rate", str(rate), "--format", fmt, "--output", str(output)]
     if native:
         argv.append("--native")
@@ -183,7 +185,7 @@ class ProfileResult:
 _SAMPLES_RE = re.compile(r"Samples:\s*(\d+)\s+Errors:\s*(\d+)")
 
 
-def record(pid: int, *, duration: float, fmt: str, output: Path, rate: int = 100, native: bool = False,
+def record(pid: int, *, duration: int, fmt: str, output: Path, rate: int = 100, native: bool = False,
            idle: bool = False, nonblocking: bool = False, py_spy: str | None = None) -> ProfileResult:
     """Run ``py-spy record`` against ``pid``; raise ``NumaserveError`` with the cause.
 

@@ -11,9 +11,11 @@ Routes:
   to the event loop every ``YIELD_EVERY`` tokens so concurrent requests share
   the worker and heartbeats keep flowing, like a batched inference server.
 - ``POST /v1/embeddings`` — OpenAI-style embeddings from a small numpy model
-  (hashed bag of words → 1024x1024 tanh layer → 256-d unit vector).  Its cost
-  is sub-linear in the batch size (one matrix product reads the weights once
-  for the whole batch), so concurrent requests are merged with
+  (hashed bag of words → 8 tanh layers of 1024x1024 → 256-d unit vector;
+  32 MiB of float32 weights).  Its cost is sub-linear in the batch size: one
+  input is bound by reading the weights from memory, a batch reads them once
+  for all its rows (about 2.6 ms for 1 input, 11 ms for 32 on the 2-core
+  development VM), so concurrent requests are merged with
   ``numaserve.batching.batch`` (``NUMASERVE_DEMO_BATCH=0`` turns that off,
   ``NUMASERVE_DEMO_MAX_BATCH`` sets the size, default 32; window 5 ms).
   Deterministic per input (up to float rounding), so it is declared
@@ -318,6 +320,7 @@ async def _completions(receive: Receive, send: Send) -> None:
 # --- embeddings: a batched numpy model -------------------------------------------------
 
 EMBED_HIDDEN = 1024
+EMBED_LAYERS = 8
 EMBED_DIM = 256
 MAX_EMBED_INPUTS = 64
 BATCHING = os.environ.get("NUMASERVE_DEMO_BATCH", "1") != "0"
@@ -325,15 +328,17 @@ _model_weights: Any = None
 
 
 def _weights() -> Any:
-    """The fixed random model (seeded), made on first use: W1 hidden x hidden, W2 hidden x dim."""
+    """The fixed random model (seeded), made on first use: hidden layers, then the projection."""
     global _model_weights
     if _model_weights is None:
         import numpy as np
 
         rng = np.random.default_rng(20240607)
-        w1 = (rng.standard_normal((EMBED_HIDDEN, EMBED_HIDDEN)) / np.sqrt(EMBED_HIDDEN)).astype(np.float32)
-        w2 = (rng.standard_normal((EMBED_HIDDEN, EMBED_DIM)) / np.sqrt(EMBED_HIDDEN)).astype(np.float32)
-        _model_weights = (w1, w2)
+        scale = np.float32(1.5 / np.sqrt(EMBED_HIDDEN))
+        layers = [rng.standard_normal((EMBED_HIDDEN, EMBED_HIDDEN), dtype=np.float32) * scale
+                  for _ in range(EMBED_LAYERS)]
+        proj = rng.standard_normal((EMBED_HIDDEN, EMBED_DIM), dtype=np.float32) * scale
+        _model_weights = (layers, proj)
     return _model_weights
 
 
@@ -341,13 +346,15 @@ def embed_many(texts: list[str]) -> list[Any]:
     """Unit vectors (float32 arrays) for ``texts``: one matmul for the whole list."""
     import numpy as np
 
-    w1, w2 = _weights()
+    layers, proj = _weights()
     x = np.zeros((len(texts), EMBED_HIDDEN), dtype=np.float32)
     for i, text in enumerate(texts):
         for word in text.lower().split() or [""]:
             h = _seed(word)
             x[i, h % EMBED_HIDDEN] += 1.0 if (h >> 32) & 1 else -1.0
-    y = np.tanh(x @ w1) @ w2
+    for w in layers:
+        x = np.tanh(x @ w)
+    y = x @ proj
     y /= np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-6)
     return list(y)
 

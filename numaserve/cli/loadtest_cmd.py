@@ -41,7 +41,7 @@ def _duration(_ctx: click.Context, param: click.Parameter, value: str | None) ->
               help="Open loop: schedule this many requests/s; latency counts from the scheduled time.")
 @click.option("-c", "--concurrency", type=int, default=None,
               help="Closed loop: this many clients, one request each at a time (default 10).")
-@click.option("-d", "--duration", default="10s", show_default=True, callback=_duration,
+@click.option("-d", "--duration", default="10s", show_default=True, callback=_duration, metavar="DURATION",
               help="How long to send (10s, 500ms, 2m).")
 @click.option("-n", "--requests", type=int, default=None, help="Stop after this many requests.")
 @click.option("--connections", type=int, default=None,
@@ -55,7 +55,7 @@ def _duration(_ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--body-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Request body from a file ('-' for stdin).")
 @click.option("-H", "--header", "headers", multiple=True, help="Extra header 'Name: value' (repeatable).")
-@click.option("--timeout", default="5s", show_default=True, callback=_duration,
+@click.option("--timeout", default="5s", show_default=True, callback=_duration, metavar="DURATION",
               help="Per request; a later answer counts as a timeout.")
 @click.option("--seed", type=int, default=None, help="Seed for Poisson arrivals (repeatable runs).")
 @click.option("--allow-remote", is_flag=True,
@@ -148,7 +148,7 @@ def format_summary(res: LoadResult, cfg: LoadConfig | None = None, *, histogram:
             lag = res.send_lag_hist
             p99 = lag.percentile_us(0.99) / 1000.0
             note = ("client kept up" if p99 < 5.0 else
-                    "client or connection pool fell behind: latencies include the wait")
+                    "sends waited for the client, the pool or a new connection: latencies include it")
             out.append(f"  Send lag behind schedule: p50 {fmt_ms(lag.percentile_us(0.5) / 1000.0)}, "
                        f"p99 {fmt_ms(p99)}, max {fmt_ms(lag.max_us / 1000.0)} ({note})")
         if histogram:

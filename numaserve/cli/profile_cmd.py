@@ -30,7 +30,7 @@ class _OneLineErrors(click.Command):
 @click.command("profile", cls=_OneLineErrors)
 @ops_target_options
 @click.option("--slot", type=int, required=True, help="Slot whose current worker to sample.")
-@click.option("--duration", type=click.FloatRange(1, 3600), default=10.0, show_default=True,
+@click.option("--duration", type=click.IntRange(1, 3600), default=10, show_default=True,
               help="Seconds to sample.")
 @click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="flamegraph", show_default=True,
               help="flamegraph (SVG), speedscope (JSON for speedscope.app) or raw (collapsed stacks).")
@@ -42,7 +42,7 @@ class _OneLineErrors(click.Command):
 @click.option("--nonblocking", is_flag=True,
               help="Do not pause the worker while sampling (less impact on latency, less accurate).")
 @click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
-def profile(target: Any, reply_timeout: float, slot: int, duration: float, fmt: str, output: str | None,
+def profile(target: Any, reply_timeout: float, slot: int, duration: int, fmt: str, output: str | None,
             rate: int, native: bool, idle: bool, nonblocking: bool, as_json: bool | None) -> None:
     """Sample slot S's worker with py-spy and write a flame graph or profile."""
     if target.endpoint:
@@ -51,7 +51,7 @@ def profile(target: Any, reply_timeout: float, slot: int, duration: float, fmt: 
     out = _output_path(output, slot, pid, fmt)
     quiet = want_json(as_json)
     if not quiet:
-        click.echo(f"profiling slot {slot} (pid {pid}) for {duration:g}s at {rate} Hz ...", err=True)
+        click.echo(f"profiling slot {slot} (pid {pid}) for {duration}s at {rate} Hz ...", err=True)
     res = record(pid, duration=duration, fmt=fmt, output=out, rate=rate, native=native, idle=idle,
                  nonblocking=nonblocking)
     if quiet:

@@ -144,6 +144,9 @@ class Supervisor:
         self.sticky: dict[str, dict[str, Any]] = {}
         self.wake = asyncio.Event()
         self.notifier = Notifier()
+        from numaserve.log import add_event_sink
+
+        add_event_sink(self._event_sink)  # every supervisor log event also goes on the PUB stream
         self.heartbeat = LoopHeartbeat()          # beaten every loop tick; /healthz reads it
         self.admin: AdminHandle | None = None
         self.admin_sock: Any = None               # bound in open(), served from run()
@@ -366,6 +369,9 @@ class Supervisor:
             self.ctx = None
         self.runtime.release()
         self.notifier.close()
+        from numaserve.log import remove_event_sink
+
+        remove_event_sink(self._event_sink)
         log.info("stopped", exit_code=EXIT_FORCED if self.forced_kills else self.exit_code)
 
     # ---------------------------------------------------------------- workers
@@ -391,7 +397,6 @@ class Supervisor:
             memory_nodes=list(slot.plan.memory_nodes),
             external=external,
         )
-        self.publish("spawn", slot=slot.plan.slot, generation=slot.generation, pid=popen.pid)
         return w
 
     def _node_cpus(self, node: int) -> tuple[int, ...]:
@@ -455,7 +460,6 @@ class Supervisor:
             reason=reason,
             uptime_s=round(uptime, 3),
         )
-        self.publish("crash", slot=slot.plan.slot, pid=w.pid, reason=reason)
         self._after_exit(slot, now, uptime, reason, counted=True, boot=w.ready is None, code=code)
 
     def _after_exit(
@@ -481,7 +485,6 @@ class Supervisor:
                 crashes_in_window=len(slot.restart.crashes),
                 window_s=self.policy.loop_window,
             )
-            self.publish("slot_failed", slot=slot.plan.slot, reason=slot.failed_reason)
             return
         slot.state = S.BACKOFF
         slot.next_start = now + delay
@@ -511,7 +514,6 @@ class Supervisor:
                 self.all_ready_logged = True
                 self.state = "running"
                 log.info("ready", slots=len(slots), startup_s=round(now - self.started, 3))
-                self.publish("ready", slots=len(slots))
         elif self.state == "running" and not self.stopping:
             self.state = "degraded"
         if self.state == "degraded" and all(s.state == S.READY for s in slots):
@@ -547,7 +549,6 @@ class Supervisor:
             generation=slot.generation,
             boot_s=round(now - w.started, 3) if w else None,
         )
-        self.publish("worker_ready", slot=slot.plan.slot, generation=slot.generation)
 
     # --------------------------------------------------------------- watchdog
 
@@ -580,7 +581,6 @@ class Supervisor:
                     w.kill_reason = reason
                     w.abort_sent = now
                     log.warning("hang", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
-                    self.publish("hang", slot=slot.plan.slot, pid=w.pid, reason=reason)
                     # SIGABRT first (a Python worker dumps its stack via faulthandler);
                     # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
                     self._signal(w, signal.SIGABRT)
@@ -786,6 +786,17 @@ class Supervisor:
         except zmq.ZMQError:
             pass
 
+    EVENT_LOGGERS = ("numaserve.supervisor", "numaserve.operations", "numaserve.leak", "numaserve.limits",
+                     "numaserve.steering", "numaserve.ops", "numaserve.audit")
+
+    def _event_sink(self, event: dict[str, Any]) -> None:
+        if self.pub is None or event.get("logger") not in self.EVENT_LOGGERS:
+            return
+        try:
+            self.pub.send_multipart([b"event", m.msgspec.json.encode(event, enc_hook=str)], flags=zmq.NOBLOCK)
+        except (zmq.ZMQError, TypeError):
+            pass
+
     def _publish_stats(self, now: float) -> None:
         if now - self._last_stats_pub < 1.0:
             return
@@ -826,7 +837,7 @@ class Supervisor:
         self.stopping = True
         self.state = "stopping"
         if first:
-            self.publish("stopping", reason=reason)
+            log.info("stopping", reason=reason)
             self.notifier.stopping(f"stopping: {reason}")
         if fast:
             self.fast_stop = True

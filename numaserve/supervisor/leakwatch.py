@@ -152,7 +152,6 @@ class LeakWatch:
                 flattening_ratio=ev.get("flattening_ratio"), window_requests=ev.get("window_requests"),
                 rss_bytes=ev.get("rss_bytes"), uss_bytes=ev.get("uss_bytes"),
             )
-            self.sup.publish("leak_verdict", slot=slot.plan.slot, verdict=v.kind, reason=v.reason, detail=v.detail)
 
     def _judge(self, slot: "SlotState", w: "WorkerProc", wd: Watched, v: Verdict, now: float) -> None:
         self._record(slot, wd, v)

@@ -157,7 +157,6 @@ class LimitsManager:
                 node_budget=d.node_budget, node_rate=d.node_rate,
                 slots={s.slot: {"concurrency": s.concurrency, "rate": s.rate} for s in d.slots},
             )
-            self.sup.publish("limits", node=node, epoch=d.epoch, source=d.source, reason=d.reason)
         self.last_decision[node] = {"epoch": d.epoch, "source": d.source, "reason": d.reason,
                                     "node_budget": d.node_budget, "node_rate": d.node_rate, "slo_cap": d.slo_cap}
         for s in d.slots:

@@ -108,7 +108,6 @@ class Operations:
             self.ops.pop(next(iter(self.ops)))
         self.current = op
         op.step("started", slots=slots)
-        self.sup.publish("operation", id=op.id, kind=kind, state=RUNNING, slots=slots)
         asyncio.get_running_loop().create_task(self._run(op, body))
         return op
 
@@ -136,7 +135,6 @@ class Operations:
                     cb(op)
                 except Exception:
                     log.exception("operation_callback_error", op=op.id)
-            self.sup.publish("operation", id=op.id, kind=op.kind, state=op.state, result=op.result)
             op.done.set()
             self.sup.wake.set()
 

@@ -79,7 +79,8 @@ def settled_status(sup: Running, quiet_s: float = 2.5, timeout: float = 20.0) ->
     while time.monotonic() < deadline:
         time.sleep(0.5)
         cur = sup.status()
-        if [s["totals"]["latency_count"] for s in cur["slots"]] != [s["totals"]["latency_count"] for s in last["slots"]]:
+        counts = [s["totals"]["latency_count"] for s in cur["slots"]]
+        if counts != [s["totals"]["latency_count"] for s in last["slots"]]:
             last, since = cur, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
             return cur

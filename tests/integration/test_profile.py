@@ -62,7 +62,7 @@ def test_explain_failure() -> None:
 
 
 def test_argv_output_and_slot_lookup() -> None:
-    argv = py_spy_argv("/bin/py-spy", 12, duration=2.4, fmt="speedscope", output=Path("o.json"), rate=250,
+    argv = py_spy_argv("/bin/py-spy", 12, duration=2, fmt="speedscope", output=Path("o.json"), rate=250,
                        native=True, nonblocking=True)
     assert argv == ["/bin/py-spy", "record", "--pid", "12", "--duration", "2", "--rate", "250", "--format",
                     "speedscope", "--output", "o.json", "--native", "--nonblocking"]
