@@ -34,6 +34,8 @@ COMMANDS: dict[str, str] = {
     "ops": "numaserve.cli.ops_cmd:ops",
     "ratelimit": "numaserve.cli.ratelimit_cmd:ratelimit",
     "systemd": "numaserve.cli.systemd_cmd:systemd",
+    "loadtest": "numaserve.cli.loadtest_cmd:loadtest",
+    "profile": "numaserve.cli.profile_cmd:profile",
     "irq": "numaserve.cli.irq_cmd:irq",
     "doctor": "numaserve.cli.doctor_cmd:doctor",
 }

@@ -113,13 +113,24 @@ def _render_status(data: dict[str, Any]) -> None:
 @click.command("status")
 @ops_target_options
 @click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
-def status(target: Any, reply_timeout: float, as_json: bool | None) -> None:
+@click.option("--latency", is_flag=True, help="Per-slot latency histogram and p50/p90/p99 from the cumulative buckets.")
+def status(target: Any, reply_timeout: float, as_json: bool | None, latency: bool) -> None:
     """Show every slot of the running supervisor."""
     data = _call(target, "status", timeout=reply_timeout)
     if want_json(as_json):
+        if latency:
+            from numaserve.latency_view import latency_summary
+
+            data["latency"] = latency_summary(data)
         echo_json(data)
     else:
         _render_status(data)
+        if latency:
+            from rich.console import Console
+
+            from numaserve.latency_view import render_latency
+
+            Console().print(render_latency(data))
 
 
 @click.command("stop")

@@ -251,3 +251,60 @@ def test_decorator_arguments_are_checked() -> None:
         batch(max_batch=0)
     with pytest.raises(TypeError):
         batch()(lambda xs: xs)  # type: ignore[arg-type]
+
+
+# --- the demo app's batched model ------------------------------------------------------------
+
+
+async def _post(path: str, body: Any) -> tuple[int, Any]:
+    import json
+
+    from numaserve.apps.demo import app
+
+    raw = json.dumps(body).encode()
+    sent = False
+    out: dict[str, Any] = {"body": b""}
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(m: dict[str, Any]) -> None:
+        if m["type"] == "http.response.start":
+            out["status"] = m["status"]
+        else:
+            out["body"] += m.get("body", b"")
+
+    await app({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+    return out["status"], json.loads(out["body"])
+
+
+def test_demo_embeddings_shape_and_batching_of_concurrent_requests() -> None:
+    pytest.importorskip("numpy")
+    import numaserve.apps.demo as demo
+
+    async def main() -> None:
+        status, one = await _post("/v1/embeddings", {"input": "hello world", "model": "m"})
+        assert status == 200 and one["object"] == "list" and one["model"] == "m"
+        (item,) = one["data"]
+        assert item["object"] == "embedding" and item["index"] == 0 and len(item["embedding"]) == demo.EMBED_DIM
+        assert one["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+        results = await asyncio.gather(*(_post("/v1/embeddings", {"input": ["hello world", f"x {i}"]})
+                                         for i in range(20)))
+        assert all(s == 200 and len(r["data"]) == 2 for s, r in results)
+        again = results[7][1]["data"][0]["embedding"]
+        assert max(abs(a - b) for a, b in zip(again, item["embedding"])) < 1e-5  # same input, other batch
+        b = demo.embed_one().batcher()
+        assert b.largest > 1 and b.batches < b.items  # concurrent requests were merged
+        status, enc = await _post("/v1/embeddings", {"input": "hello world", "encoding_format": "base64"})
+        assert status == 200 and isinstance(enc["data"][0]["embedding"], str)
+        for bad in ({"input": []}, {"input": [1]}, {"input": "x", "encoding_format": "hex"}, [1]):
+            status, err = await _post("/v1/embeddings", bad)
+            assert status == 400 and err["error"]["type"] == "invalid_request_error"
+
+    demo._embed_one = None  # a fresh batcher for this loop
+    run(main())
