@@ -252,7 +252,7 @@ class Supervisor:
     def _bind_curve_tcp(self) -> zmq.asyncio.Socket:
         """Remote ops over TCP: CURVE encryption + client keys authorized by file."""
         import zmq.auth
-        from zmq.auth.asyncio import AsyncioAuthenticator
+        from zmq.auth.thread import ThreadAuthenticator
 
         assert self.ctx is not None
         o = self.cfg.ops
@@ -264,7 +264,10 @@ class Supervisor:
             raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: holds no secret key")
         if not os.path.isdir(o.curve_authorized_keys):
             raise NumaserveError(f"ops.curve_authorized_keys {o.curve_authorized_keys}: not a directory")
-        self.authenticator = AsyncioAuthenticator(self.ctx)
+        # The ZAP handler runs in its own thread on a sync shadow of our context
+        # (same libzmq context, so it authenticates our sockets), independent of
+        # the event loop, which does not exist yet when listeners are opened.
+        self.authenticator = ThreadAuthenticator(zmq.Context.shadow(self.ctx.underlying))
         self.authenticator.start()
         self.authenticator.configure_curve(domain="*", location=o.curve_authorized_keys)
         sock = self.ctx.socket(zmq.ROUTER)

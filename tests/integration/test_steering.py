@@ -86,3 +86,17 @@ def test_hash_steering_spreads_regardless_of_cpu(tmp_path: Path) -> None:
         st = sup.wait_for(lambda st: (st["supervisor"]["steering"]["connections_local"] or 0)
                           + (st["supervisor"]["steering"]["connections_remote"] or 0) >= 190, 10, "counted")
         assert 0.2 <= st["supervisor"]["steering"]["locality_share"] <= 0.8, st["supervisor"]["steering"]
+
+
+def test_numa_steering_survives_drain_and_undrain(tmp_path: Path) -> None:
+    declared = _declared(tmp_path)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    with Running(["--declared", str(declared), "--steering", "numa", "--bind", "127.0.0.1:0"]) as sup:
+        r = sup.ops("drain", "--node", "1", "--wait", timeout=60)
+        assert r.returncode == 0, r.stderr
+        during = served_nodes(sup.port, cpus[1], 50)
+        assert during == {0: 50}, during                 # node 1 drained: its clients go to node 0
+        r = sup.ops("undrain", "--node", "1", "--wait", timeout=60)
+        assert r.returncode == 0, r.stderr
+        after = served_nodes(sup.port, cpus[1], 100)
+        assert after[1] >= 99, after

@@ -52,3 +52,22 @@ def test_bad_env_config_is_a_clear_error(tmp_path, toml, needle):
     p.write_text(toml)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(p, environ={})
+
+
+def test_plan_shows_gpu_visibility_per_slot_on_a_fixture_tree():
+    """2 nodes with one accelerator each (sysfs fixture): each slot sees only its node's NVIDIA GPU."""
+    import json
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from numaserve.cli import cli
+
+    root = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs" / "2node-nics"
+    r = CliRunner().invoke(cli, ["plan", "--root", str(root), "--json"], env={"CUDA_VISIBLE_DEVICES": None})
+    assert r.exit_code == 0, r.output
+    slots = {s["node"]: s for s in json.loads(r.output)["slots"]}
+    assert slots[1]["env"]["CUDA_VISIBLE_DEVICES"] == "0" and slots[1]["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert slots[0]["env"]["CUDA_VISIBLE_DEVICES"] == ""       # the node-0 accelerator is not NVIDIA
+    for s in slots.values():
+        assert s["env"]["OMP_NUM_THREADS"] == str(len(s["cpus"]))
