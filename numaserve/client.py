@@ -20,7 +20,7 @@ import itertools
 import json
 import socket
 import ssl as _ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
 from numaserve.framing import (
@@ -68,7 +68,6 @@ class Request:
     headers: dict[str, str] | list[tuple[str, str]] | None = None
     body: Any = None
     timeout: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _response(obj: dict[str, Any]) -> Response:

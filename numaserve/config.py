@@ -23,6 +23,10 @@ import msgspec
 
 from numaserve.errors import ConfigError
 from numaserve.irq import IrqSettings
+from numaserve.allocator import AllocatorConfig
+from numaserve.framing import MAX_FRAME_LIMIT, FramingConfig
+from numaserve.worker.cache import CacheConfig
+from numaserve.worker.tls import TlsConfig
 from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.leak import LeakSettings
@@ -137,6 +141,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     leak: LeakSettings = msgspec.field(default_factory=LeakSettings)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    framing: FramingConfig = msgspec.field(default_factory=FramingConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    allocator: AllocatorConfig = msgspec.field(default_factory=AllocatorConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -152,6 +160,8 @@ def _field_types(section: str) -> dict[str, Any]:
 # --- value checks msgspec types cannot express --------------------------------
 
 _POSITIVE = {
+    ("framing", "max_frame_bytes"), ("framing", "max_pipeline"),
+    ("cache", "max_entries"), ("cache", "max_bytes"), ("cache", "max_entry_bytes"),
     ("ops", "reload_parallel"), ("ops", "drain_timeout"),
     ("server", "backlog"), ("server", "max_header_bytes"), ("server", "max_body_bytes"),
     ("supervisor", "heartbeat_interval"), ("supervisor", "heartbeat_timeout"),
@@ -160,6 +170,7 @@ _POSITIVE = {
     ("supervisor", "crash_loop_window"), ("supervisor", "stop_timeout"),
 }
 _NON_NEGATIVE = {
+    ("framing", "idle_timeout"), ("cache", "ttl"), ("allocator", "malloc_arena_max"),
     ("server", "graceful_timeout"), ("server", "keepalive_timeout"), ("server", "max_connections"),
     ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
@@ -206,6 +217,11 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         v = getattr(getattr(cfg, section), key)
         if v < 0:
             raise bad(section, key, v, ("an integer" if isinstance(v, int) else "a number") + " >= 0")
+    if cfg.framing.max_frame_bytes > MAX_FRAME_LIMIT:
+        raise bad("framing", "max_frame_bytes", cfg.framing.max_frame_bytes, f"at most {MAX_FRAME_LIMIT} (256 MiB)")
+    for p in cfg.cache.deterministic_paths:
+        if not p.startswith("/"):
+            raise bad("cache", "deterministic_paths", p, "paths starting with / (a trailing * matches a prefix)")
     wpn = cfg.placement.workers_per_node
     if wpn != "auto" and wpn < 1:
         raise bad("placement", "workers_per_node", wpn, 'an integer >= 1 or "auto"')

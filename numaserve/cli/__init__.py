@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "systemd": "numaserve.cli.systemd_cmd:systemd",
     "loadtest": "numaserve.cli.loadtest_cmd:loadtest",
     "profile": "numaserve.cli.profile_cmd:profile",
+    "cache": "numaserve.cli.cache_cmd:cache",
     "irq": "numaserve.cli.irq_cmd:irq",
     "doctor": "numaserve.cli.doctor_cmd:doctor",
 }

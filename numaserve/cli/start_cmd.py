@@ -102,6 +102,11 @@ def start(
 
     if cfg.server.cmd:
         check_cmd_template(cfg.server.cmd)
+    from numaserve.allocator import check_allocator
+    from numaserve.worker.tls import check_tls
+
+    check_tls(cfg.tls)
+    check_allocator(cfg.allocator)
     topo = discover(cfg.placement.sysfs_root, declared=cfg.placement.topology_file or None)
     plan = make_plan(topo, cfg.placement)
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))

@@ -929,6 +929,11 @@ class Supervisor:
 
         try:
             new_cfg = load_config(self.config_path, self.overrides)
+            from numaserve.allocator import check_allocator
+            from numaserve.worker.tls import check_tls
+
+            check_tls(new_cfg.tls)
+            check_allocator(new_cfg.allocator)
             topo = discover(new_cfg.placement.sysfs_root, declared=new_cfg.placement.topology_file or None)
             new_plan = make_plan(topo, new_cfg.placement)
         except NumaserveError as e:

@@ -239,3 +239,6 @@ async def _ratelimit_auto(sup: "Supervisor", args: dict[str, Any]) -> Any:
         raise OpsArgError(f"no slot {slot}")
     sup.limits.auto(None if slot is None and node is None else ([slot] if slot is not None else []), node)
     return {"state": "auto"}
+
+
+from numaserve.supervisor import ops_cache  # noqa: E402,F401  (registers the cache verbs)

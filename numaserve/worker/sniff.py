@@ -121,6 +121,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             self._write_paused = False  # the transport asked us to stop writing
             self._closing = False       # no more requests: close when in-flight is 0
             self._linger = False        # protocol error: half-close and drain before closing
+            self._eof = False           # the client half-closed: answer what we have, then close
             self._discarded = 0
             self._lost = False
             self._lost_event: asyncio.Event | None = None
@@ -174,8 +175,8 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             if self._decoder.pending:
                 COUNTERS["frame_errors"] += 1  # truncated frame: nobody left to answer
             if self._inflight:
-                self._closing = True
-                return True  # half-close: keep the write side for the replies in flight
+                self._eof = True
+                return True  # keep the write side open for the replies (and buffered requests)
             return None
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -257,12 +258,11 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             self._inflight -= 1
             if not task.cancelled() and task.exception() is not None:
                 logger.error("frame request failed", exc_info=task.exception())
-            if self._closing:
-                if self._inflight == 0:
-                    self._finish()
-                return
-            self._maybe_resume()
-            if not self._lost:
+            if not self._closing:
+                self._maybe_resume()  # requests still buffered go next, also after EOF
+            if (self._closing or self._eof) and self._inflight == 0:
+                self._finish()
+            elif not self._lost:
                 self._update_timer()
 
         def _maybe_resume(self) -> None:
@@ -272,7 +272,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 return
             self._read_paused = False
             self._process()  # frames already buffered go first
-            if not self._read_paused and not self._closing:
+            if not self._read_paused and not self._closing and not self._eof:
                 self.transport.resume_reading()
 
         def _pause_reading(self) -> None:

@@ -106,8 +106,6 @@ def test_cancelled_waiter_is_dropped_before_the_batch_runs() -> None:
 
 
 def test_cancelled_while_running_discards_result_and_others_get_theirs() -> None:
-    started = asyncio.Event
-
     @batch(max_batch=3, max_wait_ms=1)
     async def slow(xs: list[int]) -> list[int]:
         await asyncio.sleep(0.1)
@@ -119,7 +117,6 @@ def test_cancelled_while_running_discards_result_and_others_get_theirs() -> None
         tasks[0].cancel()
         out = await asyncio.gather(*tasks, return_exceptions=True)
         assert isinstance(out[0], asyncio.CancelledError) and out[1:] == [1, 2]
-    del started
     run(main())
 
 

@@ -11,6 +11,8 @@ from typing import Any, AsyncIterator
 
 import pytest
 
+from numaserve.framing import FramingConfig
+
 from numaserve.apps.demo import app as demo_app
 from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
 from numaserve.worker.spec import WorkerSpec
@@ -81,8 +83,12 @@ def test_build_config_maps_the_spec() -> None:
     assert cfg.h11_max_incomplete_event_size == 1234 and cfg.limit_concurrency == 50
     assert cfg.lifespan == "auto" and cfg.server_header is False and cfg.date_header is True
     assert cfg.log_config is None and cfg.access_log is True
-    assert cfg.http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
-    assert build_config(make_spec(http="h11"), demo_app).http == "h11"
+    http = cfg.http
+    assert http.__name__ == "SniffingGuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert http.http_protocol.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert build_config(make_spec(http="h11"), demo_app).http.http_protocol.__name__ == "H11Protocol"  # type: ignore[union-attr]
+    assert build_config(make_spec(framing=FramingConfig(enabled=False)), demo_app).http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert build_config(make_spec(http="h11", framing=FramingConfig(enabled=False)), demo_app).http == "h11"
     assert build_config(make_spec(max_connections=0), demo_app).limit_concurrency is None
 
 
