@@ -19,7 +19,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -80,7 +80,6 @@ class Watched:
     verdict: Verdict | None = None
     trimming: bool = False
     recycling: bool = False
-    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=5))
 
 
 class LeakWatch:
@@ -90,6 +89,8 @@ class LeakWatch:
         self.recycles: dict[int, deque[float]] = {}  # node -> recycle times (last hour)
         self.last_worker_recycle: dict[int, float] = {}
         self.last_verdicts: dict[int, dict[str, Any]] = {}
+        # per slot, across generations: the verdicts that mattered (what recycled a worker)
+        self.history: dict[int, deque[dict[str, Any]]] = {}
         self.budget = 0
 
     @property
@@ -144,7 +145,7 @@ class LeakWatch:
                  "generation": wd.generation, "pid": wd.pid, "ts": time.time()}
         self.last_verdicts[slot.plan.slot] = entry
         if v.kind in ("suspect", "leak", "soft_cap", "hard_cap"):
-            wd.history.append(entry)
+            self.history.setdefault(slot.plan.slot, deque(maxlen=8)).append(entry)
             (log.warning if v.kind != "suspect" else log.info)(
                 "leak_verdict", slot=slot.plan.slot, pid=wd.pid, verdict=v.kind, reason=v.reason, detail=v.detail,
                 slope_per_1000_requests=ev.get("slope_per_1000_requests"),
@@ -247,6 +248,6 @@ class LeakWatch:
             "detail": v["detail"] if v else None,
             "slope_per_1000_requests": v["evidence"].get("slope_per_1000_requests") if v else None,
             "slope_per_minute": v["evidence"].get("slope_per_minute") if v else None,
-            "history": list(wd.history) if wd else [],
+            "history": list(self.history.get(slot.plan.slot, ())),
             "budget_bytes": self.budget or None,
         }

@@ -12,6 +12,12 @@ requests per worker without asking the server):
                    CPU time rather than wall time so a busy shared machine
                    does not change the amount of work, only how long it takes.
 - ``/cpu5``, ``/cpu20``  the same with N fixed at 5 and 20 (no query parsing).
+- ``/cpu?ms=N&yield_ms=Y``, ``/cpu20y``  the same work in slices of Y ms
+                   (``/cpu20y``: 20 ms in 5 ms slices) with an
+                   ``await asyncio.sleep(0)`` between them, like an async
+                   inference loop that yields per batch of tokens (the
+                   numaserve demo app does this): concurrent requests then
+                   share the worker and an in-worker admission gate sees them.
 
 Counting (only when the environment asks for it, so normal runs pay nothing):
 ``BENCH_COUNT_DIR=DIR`` makes each worker write ``DIR/<pid>.json`` with its
@@ -81,22 +87,28 @@ def _count() -> None:
         _flusher = asyncio.get_running_loop().create_task(_flush_loop())
 
 
-def _cpu_ms(scope: Scope) -> float | None:
+def _cpu_ms(scope: Scope) -> tuple[float, float] | None:
+    """(CPU ms, yield every ms or 0) for a /cpu route, None for anything else."""
     path = scope["path"]
     if path == "/cpu5":
-        return 5.0
+        return 5.0, 0.0
     if path == "/cpu20":
-        return 20.0
-    if path == "/cpu":
-        for part in scope.get("query_string", b"").decode("latin-1").split("&"):
-            name, _, value = part.partition("=")
-            if name == "ms":
-                try:
-                    return min(max(float(value), 0.0), MAX_CPU_MS)
-                except ValueError:
-                    return None
+        return 20.0, 0.0
+    if path == "/cpu20y":
+        return 20.0, 5.0
+    if path != "/cpu":
         return None
-    return None
+    ms = slice_ms = 0.0
+    for part in scope.get("query_string", b"").decode("latin-1").split("&"):
+        name, _, value = part.partition("=")
+        try:
+            if name == "ms":
+                ms = min(max(float(value), 0.0), MAX_CPU_MS)
+            elif name == "yield_ms":
+                slice_ms = max(float(value), 0.0)
+        except ValueError:
+            return None
+    return ms, slice_ms
 
 
 async def _respond(send: Send, status: int, body: bytes) -> None:
@@ -133,9 +145,18 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if path == "/":
         await _respond(send, 200, b'{"pid":%d}' % os.getpid())
         return
-    ms = _cpu_ms(scope)
-    if ms is None:
+    work = _cpu_ms(scope)
+    if work is None:
         await _respond(send, 404, b'{"error":"not found"}')
         return
-    burn(ms)
+    ms, slice_ms = work
+    if slice_ms > 0:
+        left = ms
+        while left > 0:
+            burn(min(slice_ms, left))
+            left -= slice_ms
+            if left > 0:
+                await asyncio.sleep(0)
+    else:
+        burn(ms)
     await _respond(send, 200, b'{"pid":%d,"ms":%g}' % (os.getpid(), ms))
