@@ -295,19 +295,29 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await _completions(receive, send)
 
 
-async def _completions(receive: Receive, send: Send) -> None:
+_NO_BODY = object()
+
+
+async def _read_json(receive: Receive, send: Send) -> Any:
+    """The request body as JSON, or ``_NO_BODY`` after answering 413/400 (or a disconnect)."""
     try:
         raw = await _read_body(receive)
     except _Disconnected:
-        return  # nobody to answer
+        return _NO_BODY  # nobody to answer
     if raw is None:
         await _send_json(send, 413, _error(f"request body over {MAX_REQUEST_BYTES} bytes",
                                            "invalid_request_error"))
-        return
+        return _NO_BODY
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         await _send_json(send, 400, _error(f"invalid JSON body: {e}", "invalid_request_error"))
+        return _NO_BODY
+
+
+async def _completions(receive: Receive, send: Send) -> None:
+    body = await _read_json(receive, send)
+    if body is _NO_BODY:
         return
     try:
         reply = await complete(body)
@@ -388,18 +398,8 @@ def embed_one() -> Any:
 
 
 async def _embeddings(receive: Receive, send: Send) -> None:
-    try:
-        raw = await _read_body(receive)
-    except _Disconnected:
-        return
-    if raw is None:
-        await _send_json(send, 413, _error(f"request body over {MAX_REQUEST_BYTES} bytes",
-                                           "invalid_request_error"))
-        return
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        await _send_json(send, 400, _error(f"invalid JSON body: {e}", "invalid_request_error"))
+    body = await _read_json(receive, send)
+    if body is _NO_BODY:
         return
     inp = body.get("input") if isinstance(body, dict) else None
     texts = [inp] if isinstance(inp, str) else inp
