@@ -80,7 +80,8 @@ def _render_status(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     sup = data["supervisor"]
-    console = Console()
+    # off a terminal (pipes, `watch`, logs) rich would wrap at 80 columns: use a wide line
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     steer = sup.get("steering") or {}
     console.print(
         f"supervisor pid {sup['pid']}  state [bold]{sup['state']}[/]  up {sup['uptime_s']:.0f}s  "

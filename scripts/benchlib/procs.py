@@ -10,7 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import psutil
 
@@ -108,9 +108,14 @@ class TreeCpu:
         return sum(self._last[k] - self._first[k] for k in self._last)
 
 
-def cpu_over(root: int, seconds: float, *, include_children: bool = True, step: float = 0.25) -> dict[str, float]:
-    """CPU seconds a tree uses over the next ``seconds``; also when it went idle
-    (first 1 s window under 5 % of one CPU), or None."""
+def cpu_over(root: int, seconds: float, *, include_children: bool = True, step: float = 0.25,
+             stop_after_idle_s: float | None = None) -> dict[str, Any]:
+    """CPU seconds a tree uses over the next ``seconds``, and when it went idle
+    (the start of the first 1 s window under 5 % of one CPU, or None).
+
+    ``stop_after_idle_s`` ends the measurement early once the tree has been
+    idle that long: what is left of the window would add only idle ticks.
+    """
     meter = TreeCpu(root, include_children).start()
     t0 = time.monotonic()
     idle_at: float | None = None
@@ -120,10 +125,15 @@ def cpu_over(root: int, seconds: float, *, include_children: bool = True, step: 
         v = meter.sample()
         now = time.monotonic()
         if now - win_t >= 1.0:
-            if idle_at is None and (v - win_v) / (now - win_t) < 0.05:
-                idle_at = win_t - t0
+            if (v - win_v) / (now - win_t) < 0.05:
+                if idle_at is None:
+                    idle_at = win_t - t0
+            else:
+                idle_at = None
             win_t, win_v = now, v
-    return {"cpu_s": round(meter.sample(), 3), "window_s": seconds,
+            if stop_after_idle_s is not None and idle_at is not None and now - t0 - idle_at >= stop_after_idle_s:
+                break
+    return {"cpu_s": round(meter.sample(), 3), "window_s": round(time.monotonic() - t0, 2),
             "idle_after_s": None if idle_at is None else round(idle_at, 2)}
 
 
