@@ -290,3 +290,16 @@ def test_allocator_environment_is_visible_in_the_worker() -> None:
             pytest.skip("libjemalloc2 not installed: LD_PRELOAD part not checked")
         assert env["LD_PRELOAD"].split()[0] == jemalloc
         assert jemalloc in Path(f"/proc/{slot['pid']}/maps").read_text()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_gc_freeze_after_app_import(freeze: bool) -> None:
+    import json as _json
+
+    from tests.integration.harness import http_get
+
+    cfg = FAST_CONFIG + f"[allocator]\ngc_freeze = {'true' if freeze else 'false'}\n"
+    with Running(["--nodes", "0", "--app", "gcapp:app", "--bind", "127.0.0.1:0"], config=cfg) as sup:
+        status, body = http_get(sup.port, "/")
+        count = _json.loads(body)["freeze_count"]
+        assert (count > 1000) if freeze else (count == 0), count
