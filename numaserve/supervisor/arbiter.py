@@ -616,6 +616,9 @@ class Supervisor:
                 ok, problems = check_placement(
                     observed, cpus=slot.plan.cpus, mempolicy=slot.plan.mempolicy, nodes=slot.plan.memory_nodes
                 )
+                if slot.plan.memory_nodes:
+                    share = observed.remote_share(slot.plan.memory_nodes)
+                    w.remote_share = None if share is None else round(share, 4)
             except (OSError, ValueError) as e:
                 ok, problems = False, [f"could not read /proc/{w.pid}: {e}"]
             w.rss_bytes = read_statm_rss(w.pid) or w.rss_bytes

@@ -109,6 +109,7 @@ class WorkerProc:
     verified: bool | None = None        # what the supervisor saw from outside
     verify_problems: list[str] = field(default_factory=list)
     verified_at: float | None = None
+    remote_share: float | None = None   # resident memory not on the slot's memory nodes (numa_maps)
     stats: Stats | None = None
     rss_bytes: int = 0
     stop_sent: float | None = None
@@ -179,6 +180,7 @@ class SlotState:
             "gpus": list(self.plan.gpus),
             "binding_verified": w.verified if w else None,
             "binding_problems": list(w.verify_problems) if w else [],
+            "remote_memory_share": w.remote_share if w else None,
             "worker_placement": (
                 {"cpus": w.placement.cpus, "mempolicy": w.placement.mempolicy, "ok": w.placement.ok,
                  "problems": w.placement.problems}

@@ -3,6 +3,7 @@ everything we started (the bench must never leave a stray worker behind)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import psutil
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -30,16 +34,18 @@ def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: str | Path, log: Pat
     how a server is kept on one CPU while the load generator uses the other.
     """
     cpuset = set(cpus) if cpus is not None else None
+    libc = ctypes.CDLL(None, use_errno=True)
 
-    def _pin() -> None:  # runs in the child between fork and exec
+    def _child_setup() -> None:  # runs in the child between fork and exec
+        # if the bench dies (even by SIGKILL), the server gets SIGTERM and stops its workers
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if cpuset is not None:
             os.sched_setaffinity(0, cpuset)
 
     out = open(log, "ab")
     try:
         return subprocess.Popen(list(argv), env=env, cwd=str(cwd), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_pin if cpuset is not None else None)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_child_setup)
     finally:
         out.close()
 

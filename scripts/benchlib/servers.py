@@ -68,6 +68,15 @@ class ServerError(RuntimeError):
     """A server did not start or did not answer as expected."""
 
 
+_LIVE: "set[Server]" = set()
+
+
+def stop_all() -> None:
+    """Stop every server still running (exit and signal handlers call this)."""
+    for srv in list(_LIVE):
+        srv.stop()
+
+
 class Server:
     """One running server under test; always ``stop()`` it (use ``with``)."""
 
@@ -113,6 +122,7 @@ class Server:
         env.update(self.cfg.env)
         self.t_spawn = time.perf_counter()
         self.proc = procs.spawn(self.argv(), env=env, cwd=REPO, log=self.log, cpus=self.cfg.cpus)
+        _LIVE.add(self)
         return self
 
     def __enter__(self) -> "Server":
@@ -268,6 +278,7 @@ class Server:
             if self.proc is not None:
                 procs.stop_tree(self.proc, grace=15.0)
         finally:
+            _LIVE.discard(self)
             if os.environ.get("BENCH_KEEP_LOGS") != "1":
                 shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -30,7 +30,9 @@ def test_two_workers_on_node0_serve_and_report(tmp_path: Path) -> None:
             assert s["node"] == 0 and s["state"] == "ready" and s["generation"] == 1
             assert s["mempolicy"] == "bind"
         # the two workers split node 0's CPUs (2 CPUs here: one each) and are verified from outside
-        sup.wait_for(lambda st: all(s["binding_verified"] is True for s in st["slots"]), 15, "binding verified")
+        st = sup.wait_for(lambda st: all(s["binding_verified"] is True for s in st["slots"]), 15, "binding verified")
+        # one node here: every resident page is on the bound node
+        assert all(s["remote_memory_share"] == 0.0 for s in st["slots"]), [s["remote_memory_share"] for s in st["slots"]]
         cpus = [tuple(s["cpus"]) for s in sup.slots()]
         assert set(cpus[0]).isdisjoint(cpus[1]) or len(os.sched_getaffinity(0)) == 1
         seen = set()

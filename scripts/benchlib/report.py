@@ -1,0 +1,148 @@
+"""Results as JSON and markdown tables (one table per scenario; medians with
+the min–max spread over repetitions in brackets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchlib.common import fmt
+
+SERVER_ORDER = ("numaserve", "uvicorn", "gunicorn")
+
+
+def _srv_key(name: str) -> tuple[int, str]:
+    for i, s in enumerate(SERVER_ORDER):
+        if name.startswith(s):
+            return i, name
+    return len(SERVER_ORDER), name
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1, sort_keys=False, default=str) + "\n")
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def md_throughput(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: (r["placement"] != "shared", r["variant"], _srv_key(r["server"])))
+    return _table(
+        ["placement", "request", "server", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms",
+         "server CPU µs/req", "failed"],
+        [[r["placement"], r["variant"], r["server"], fmt(r["rps"], 0), fmt(r["p50_ms"], 2), fmt(r["p90_ms"], 2),
+          fmt(r["p99_ms"], 2), fmt(r["p999_ms"], 1), fmt(r["server_cpu_us_per_req"], 0),
+          fmt(r["failed"], 0, spread=False)] for r in rows])
+
+
+def md_overload(s: dict[str, Any]) -> list[str]:
+    cap = s["capacity"]
+    own = cap.get("own_closed_loop_rps") or {}
+    lines = [f"Common capacity C = **{cap['common_rps']:.1f} req/s** (median of "
+             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cap["per_server"].items(), key=lambda kv: _srv_key(kv[0])))
+             + "; each server's own closed-loop rate during the repetitions: "
+             + ", ".join(f"{k} {fmt(v)}" for k, v in sorted(own.items(), key=lambda kv: _srv_key(kv[0]))) + ").",
+             ""]
+    rows = sorted(s["rows"], key=lambda r: (r["shape"] != "cooperative", r["level"], _srv_key(r["server"])))
+    lines += _table(
+        ["request", "load", "server", "offered/s", "goodput/s", "SLO goodput/s", "SLO goodput ÷ C",
+         "p99 admitted ms", "÷ unloaded p50", "shed", "503 p99 ms", "timeouts", "CPU-s after"],
+        [[r["shape"], f"{r['level']:g}×", r["server"], fmt(r["offered_rps"], 0, spread=False),
+          fmt(r["goodput_rps"]), fmt(r["slo_goodput_rps"]), fmt(r["slo_goodput_x_capacity"], 2),
+          fmt(r["p99_admitted_ms"], 0), fmt(r["p99_over_unloaded_p50"], 1), _pct(r["shed_frac"]),
+          fmt(r["shed_p99_ms"], 0), _pct(r["timeout_frac"]), fmt(r["cpu_after_s"], 1)] for r in rows])
+    if s.get("targets"):
+        lines += ["", "Issue-10 targets for numaserve (medians):", ""]
+        lines += _table(["request", "load", "target", "wanted", "measured", "met"],
+                        [[t["shape"], f"{t['level']:g}×", t["target"], t["wanted"],
+                          "–" if t["measured"] is None else str(t["measured"]),
+                          {True: "yes", False: "**no**", None: "–"}[t["met"]]] for t in s["targets"]])
+    return lines
+
+
+def _pct(s: dict[str, Any] | None) -> str:
+    if not s or s.get("median") is None:
+        return "–"
+    med = f"{100 * s['median']:.0f} %"
+    if s["n"] >= 2 and s["min"] != s["max"]:
+        return f"{med} ({100 * s['min']:.0f}–{100 * s['max']:.0f})"
+    return med
+
+
+def md_resilience(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: (r["event"] != "reload", _srv_key(r["server"])))
+    return _table(
+        ["event", "server", "baseline req/s", "failed requests", "connection errors", "error responses",
+         "worst 0.5 s ÷ baseline", "time to full capacity s", "server done s"],
+        [[r["event"], r["server"], fmt(r["baseline_rps"], 0), fmt(r["failed"], 0), fmt(r["connection_errors"], 0),
+          fmt(r["error_responses"], 0), fmt(r["worst_window_x_baseline"], 2), fmt(r["time_to_full_capacity_s"], 2),
+          fmt(r["done_s"], 2)] for r in rows])
+
+
+def md_balance(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: (r["variant"], _srv_key(r["server"])))
+    lines = _table(["connections", "server", "busiest worker's share", "idlest worker's share", "req/s"],
+                   [[r["variant"], r["server"], fmt(r["busiest_share"], 2), fmt(r["idlest_share"], 2),
+                     fmt(r["rps"], 0)] for r in rows])
+    lines += ["", "Share of requests served on the client's (receiving) CPU = pretend node:", ""]
+    lines += _table(["server", "share on the receiving node", "req/s"],
+                    [[r["server"], fmt(r["local_share"], 2), fmt(r["rps"], 0)]
+                     for r in sorted(s["locality"], key=lambda r: _srv_key(r["server"]))])
+    return lines
+
+
+def md_overhead(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: _srv_key(r["server"]))
+    return _table(
+        ["server", "workers", "all ready s", "supervisor CPU idle %", "supervisor CPU under load %",
+         "tree CPU idle %", "tree RSS MB", "req/s under load", "control latency s"],
+        [[r["server"], str(r["workers"]), f"{r['all_ready_s']:.2f}", fmt(r["supervisor_idle_cpu_pct_summary"], 2),
+          "–" if r["supervisor_load_cpu_pct"] is None else f"{r['supervisor_load_cpu_pct']:.2f}",
+          f"{r['tree_idle_cpu_pct']:.2f}", f"{r['tree_rss_mb']:.0f}", f"{r['load_rps']:.0f}",
+          fmt(r["control_latency_summary"], 2) if r["control_latency_s"] else "n/a (no runtime channel)"]
+         for r in rows])
+
+
+def md_startup(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: _srv_key(r["server"]))
+    return _table(["server", "first answer s", "all workers ready s"],
+                  [[r["server"], fmt(r["first_answer_s"], 2), fmt(r["all_ready_s"], 2)] for r in rows])
+
+
+RENDER = {"throughput": md_throughput, "overload": md_overload, "resilience": md_resilience,
+          "balance": md_balance, "overhead": md_overhead, "startup": md_startup}
+
+
+def write_markdown(results: dict[str, Any], path: Path) -> None:
+    meta = results["meta"]
+    m = meta["machine"]
+    lines = [f"# numaserve benchmark results ({'quick' if meta['quick'] else 'full'} mode)", "",
+             f"Run {m['date_utc']} on {m['nproc']} CPUs ({m['cpu_model']}), kernel {m['kernel']}, "
+             f"Python {m['python']}, load average at start {m['loadavg_at_start']}, at end "
+             f"{meta.get('loadavg_at_end')}; {meta['reps']} repetition(s); took {meta['elapsed_s']:.0f} s. "
+             f"Packages: " + ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v) + "; gunicorn worker "
+             f"class `{meta['peers']['gunicorn_worker_class']}`. Cells: median (min–max over repetitions).", ""]
+    for name, scen in results["scenarios"].items():
+        lines += [f"## {scen.get('title', name)}", ""]
+        if "error" in scen:
+            lines += [f"Not measured: {scen['error']}", ""]
+            continue
+        p = scen.get("params", {})
+        lines += ["Parameters: " + "; ".join(f"{k} = {v}" for k, v in p.items()), ""]
+        lines += RENDER[name](scen) + [""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_overload_md(scen: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    """The issue-10 table on its own (what ``scripts/bench_overload.py`` writes)."""
+    m = meta["machine"]
+    lines = ["# Overload: numaserve vs uvicorn --workers 2 vs gunicorn + UvicornWorker", "",
+             f"{m['date_utc']}, {m['nproc']} CPUs, kernel {m['kernel']}, Python {m['python']}, "
+             f"load average {m['loadavg_at_start']} → {meta.get('loadavg_at_end')}; {meta['reps']} repetition(s). "
+             "Parameters: " + "; ".join(f"{k} = {v}" for k, v in scen["params"].items()), ""]
+    lines += md_overload(scen)
+    path.write_text("\n".join(lines) + "\n")
