@@ -88,9 +88,9 @@ class SupervisorConfig(_Section):
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     ready_timeout: float = 60.0
-    stop_timeout: float = 30.0
+    stop_timeout: float = 5.0
     abort_grace: float = 3.0
-    backoff_initial: float = 0.5
+    backoff_initial: float = 0.1
     backoff_max: float = 30.0
     backoff_jitter: float = 0.2
     backoff_reset_after: float = 60.0

@@ -567,7 +567,7 @@ class Supervisor:
                         self._kill(w, now)
                     continue
                 if w.stop_sent is not None:
-                    if now - w.stop_sent >= w.stop_deadline + 5.0:
+                    if now - w.stop_sent >= w.stop_deadline + sup.stop_timeout:
                         log.warning("kill", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
                                     reason=f"did not stop within {w.stop_deadline:g}s")
                         self._kill(w, now)

@@ -180,7 +180,7 @@ class Operations:
         op.step(f"slot {s}: generation {new.generation} ready; draining {old.generation}", slot=s,
                 old_pid=old.pid)
         try:
-            await asyncio.wait_for(old.exit_evt.wait(), timeout + 10.0)
+            await asyncio.wait_for(old.exit_evt.wait(), timeout + self.sup.cfg.supervisor.stop_timeout + 5.0)
         except asyncio.TimeoutError:
             raise OperationFailed(f"slot {s}: old worker pid {old.pid} did not exit") from None
         op.step(f"slot {s}: generation {old.generation} exited ({old.exit_cause})", slot=s)
