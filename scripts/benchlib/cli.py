@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if "overload" in results["scenarios"] and "error" not in results["scenarios"]["overload"]:
         report.write_overload_md(results["scenarios"]["overload"], results["meta"], out / "overload.md")
     if not a.no_plots:
-        made = __import__("benchlib.plots", fromlist=["plot_all"]).plot_all(results, out)
+        from benchlib import plots
+
+        made = plots.plot_all(results, out)
         results["meta"]["plots"] = made
         report.write_json(results, out / "results.json")
     ctx.log(f"wrote {out}/results.json, results.md and plots in {results['meta']['elapsed_s']:.0f} s")

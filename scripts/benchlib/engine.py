@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import numaserve.loadtest as lt
 
@@ -221,6 +221,11 @@ class Background:
         self.started = time.perf_counter()
         self._t.start()
         return self
+
+    def running(self, wait_s: float = 0.0) -> bool:
+        """Wait up to ``wait_s`` for the run to end; True while it still runs."""
+        self._t.join(wait_s)
+        return self._t.is_alive()
 
     def join(self) -> Run:
         self._t.join(self.cfg.duration + self.cfg.timeout + 30)

@@ -44,8 +44,9 @@ def md_overload(s: dict[str, Any]) -> list[str]:
     own = cap.get("own_closed_loop_rps") or {}
     lines = [f"Common capacity C = **{cap['common_rps']:.1f} req/s** (median of "
              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cap["per_server"].items(), key=lambda kv: _srv_key(kv[0])))
-             + "; each server's own closed-loop rate during the repetitions: "
-             + ", ".join(f"{k} {fmt(v)}" for k, v in sorted(own.items(), key=lambda kv: _srv_key(kv[0]))) + ").",
+             + ("; each server's own closed-loop rate during the repetitions: "
+                + ", ".join(f"{k} {fmt(v)}" for k, v in sorted(own.items(), key=lambda kv: _srv_key(kv[0])))
+                if own else "") + ").",
              ""]
     rows = sorted(s["rows"], key=lambda r: (r["shape"] != "cooperative", r["level"], _srv_key(r["server"])))
     lines += _table(
@@ -79,8 +80,14 @@ def md_resilience(s: dict[str, Any]) -> list[str]:
         ["event", "server", "baseline req/s", "failed requests", "connection errors", "error responses",
          "worst 0.5 s ÷ baseline", "time to full capacity s", "server done s"],
         [[r["event"], r["server"], fmt(r["baseline_rps"], 0), fmt(r["failed"], 0), fmt(r["connection_errors"], 0),
-          fmt(r["error_responses"], 0), fmt(r["worst_window_x_baseline"], 2), fmt(r["time_to_full_capacity_s"], 2),
+          fmt(r["error_responses"], 0), fmt(r["worst_window_x_baseline"], 2), _recovery(r),
           fmt(r["done_s"], 2)] for r in rows])
+
+
+def _recovery(r: dict[str, Any]) -> str:
+    cell = fmt(r["time_to_full_capacity_s"], 2)
+    stuck = sum(1 for x in r["reps"] if not x.get("recovered", True))
+    return cell + (f"; not back by the end in {stuck} of {len(r['reps'])}" if stuck else "")
 
 
 def md_balance(s: dict[str, Any]) -> list[str]:

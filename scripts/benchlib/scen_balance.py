@@ -69,7 +69,7 @@ def _delta(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]) 
 
 
 def _settled(d: Path) -> dict[int, dict[str, Any]]:
-    time.sleep(0.5)   # the app flushes every 0.2 s
+    time.sleep(0.3)   # the app flushes every 0.2 s
     return read_counts(d)
 
 
@@ -112,7 +112,7 @@ def locality_run(srv: Server, d: Path, duration: float) -> dict[str, Any]:
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
-    duration = ctx.pick(1.5, 3.0)
+    duration = ctx.pick(1.0, 2.0)
     tmp = Path(tempfile.mkdtemp(prefix="bench-balance-"))
     declared = tmp / "declared.toml"
     declared.write_text(DECLARED)
@@ -133,7 +133,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             loc_servers: list[tuple[str, ServerConfig]] = []
             for kind in ctx.order(rep):
                 if kind == "numaserve":
-                    for steering in ("numa", "hash"):
+                    for steering in ctx.pick(("numa",), ("numa", "hash")):
                         loc_servers.append((f"numaserve --steering {steering}", ServerConfig(
                             kind, workers=1, label=f"numaserve-{steering}",
                             numaserve_args=("--declared", str(declared), "--nodes", "all", "--steering", steering))))

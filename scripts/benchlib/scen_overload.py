@@ -21,7 +21,6 @@ seeing the requests queued behind it).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +53,14 @@ class OverloadParams:
     capacity_s: float = 4.0
     unloaded_s: float = 2.0
     connections: int = 1000
+    capacity_servers: int = 3         # servers whose capacity makes the common C (quick: the first only)
+    own_capacity: bool = True         # also measure each server's capacity in every repetition
     deadline_header: bool = False     # send x-request-timeout (numaserve reads it; peers ignore it)
 
 
 def quick_params() -> OverloadParams:
-    return OverloadParams(shapes={"cooperative": (2.0,)}, duration_s=4.0, after_s=3.0, capacity_s=2.0,
-                          unloaded_s=1.0)
+    return OverloadParams(shapes={"cooperative": (2.0,)}, duration_s=3.0, after_s=2.0, capacity_s=1.5,
+                          unloaded_s=1.0, capacity_servers=1, own_capacity=False)
 
 
 def _headers(p: OverloadParams) -> tuple[tuple[str, str], ...]:
@@ -86,8 +87,11 @@ def _sample_numaserve(srv: Server, acc: dict[str, Any]) -> None:
     q = st.get("supervisor", {}).get("accept_queue") or {}
     depth = max((max(v) if isinstance(v, list) and v else 0 for v in q.values()), default=0)
     acc["accept_queue_max"] = max(acc.get("accept_queue_max", 0), depth)
-    limits = [s.get("effective_limit") for s in (st.get("slots") or [])]
-    acc.setdefault("limits_seen", []).append(limits)
+    try:
+        rl = srv.ops("ratelimit_show", timeout=1.0)
+    except Exception:
+        return
+    acc.setdefault("limits_seen", []).append([s.get("effective_limit") for s in rl.get("slots") or []])
 
 
 def _one_level(srv: Server, p: OverloadParams, path: str, rate: float, cap: float, unloaded: float | None,
@@ -96,12 +100,12 @@ def _one_level(srv: Server, p: OverloadParams, path: str, rate: float, cap: floa
                         connections=p.connections, headers=_headers(p))
     bg = engine.Background(cfg).start()
     extra: dict[str, Any] = {}
-    while bg._t.is_alive():
+    while bg.running():
         if srv.cfg.kind == "numaserve":
             _sample_numaserve(srv, extra)
-        bg._t.join(1.0)
+        bg.running(1.0)
     r = bg.join()
-    after = procs.cpu_over(srv.master_pid, p.after_s, stop_after_idle_s=2.0)
+    after = procs.cpu_over(srv.master_pid, p.after_s, stop_after_idle_s=min(2.0, p.after_s))
     sent = r.result.requests + r.result.error_count
     slo_s = max(10 * (unloaded or 0.0) / 1000.0, 0.5)
     ok = r.summary("2xx") or {}
@@ -155,7 +159,7 @@ def _start(kind: str, p: OverloadParams) -> Server:
 def measure_capacity(ctx: Ctx, p: OverloadParams) -> dict[str, Any]:
     """The common capacity C: each server's closed-loop rate on the cooperative request, median of them."""
     per: dict[str, float] = {}
-    for kind in ctx.order(-1):
+    for kind in ctx.order(-1)[:p.capacity_servers]:
         with _start(kind, p) as srv:
             engine.run(lt.LoadConfig(srv.url + PATHS["cooperative"], concurrency=4, duration=1.0, timeout=10.0))
             per[kind] = round(_capacity(srv, PATHS["cooperative"], p.capacity_s), 1)
@@ -179,7 +183,7 @@ def run(ctx: Ctx, p: OverloadParams | None = None) -> dict[str, Any]:
                     path = PATHS[shape]
                     engine.run(lt.LoadConfig(srv.url + path, concurrency=4, duration=0.5, timeout=10.0))
                     unloaded = _unloaded_p50(srv, path, p.unloaded_s)
-                    if shape == "cooperative":
+                    if shape == "cooperative" and p.own_capacity:
                         own_cap.setdefault(kind, []).append(_capacity(srv, path, p.capacity_s))
                     for level in levels:
                         row = _one_level(srv, p, path, level * C, C, unloaded)
@@ -199,6 +203,8 @@ def run(ctx: Ctx, p: OverloadParams | None = None) -> dict[str, Any]:
                 srv.stop()
     rows = []
     for (shape, level, kind), reps in raw.items():
+        for later in reps[1:]:
+            later.pop("timeline", None)   # the plots use the first repetition's; keeps the JSON small
         summ = summarize_rows(reps, KEYS)
         rows.append({"shape": shape, "level": level, "server": kind, "reps": reps, **summ})
     rows.sort(key=lambda r: (list(p.shapes).index(r["shape"]), r["level"], r["server"]))

@@ -17,6 +17,7 @@ machine is doing.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numaserve.loadtest as lt
@@ -53,8 +54,8 @@ def _measure(srv: Server, path: str, conc: int, duration: float, gen_cpus: set[i
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
-    duration = ctx.pick(2.0, 4.0)
-    pinned_ok = {0, 1} <= set(__import__("os").sched_getaffinity(0))
+    duration = ctx.pick(1.5, 3.0)
+    pinned_ok = {0, 1} <= set(os.sched_getaffinity(0))
     raw: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rep in range(ctx.reps):
         for placement in ("shared", "pinned"):
@@ -66,7 +67,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
                 gen = {0} if placement == "pinned" else None
                 with Server(cfg).start() as srv:
                     srv.wait_ready()
-                    engine.run(lt.LoadConfig(srv.url + "/", concurrency=4, duration=0.5), cpus=gen)  # warm-up
+                    engine.run(lt.LoadConfig(srv.url + "/", concurrency=4, duration=ctx.pick(0.3, 0.5)), cpus=gen)  # warm-up
                     for name, path, conc, pl in VARIANTS:
                         if pl != placement:
                             continue

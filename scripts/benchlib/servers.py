@@ -209,6 +209,8 @@ class Server:
             except Exception:
                 return []
             return [int(s["pid"]) for s in st.get("slots", []) if s.get("pid")]
+        if self.cfg.kind == "uvicorn" and self.cfg.workers == 1:
+            return [self.proc.pid] if self.proc.poll() is None else []   # uvicorn serves in-process then
         out = []
         try:
             children = psutil.Process(self.proc.pid).children()

@@ -1,0 +1,161 @@
+"""`scripts/bench --quick` keeps working: every scenario produces numbers for
+numaserve, uvicorn and gunicorn, plus the markdown tables and the plots.
+
+Checks shapes only, never timings (the machine is shared and noisy); the one
+bound is the suite's own budget (quick mode must stay under 3 minutes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "scripts" / "bench"
+SERVERS = ("numaserve", "uvicorn", "gunicorn")
+SCENARIOS = ("throughput", "overload", "resilience", "balance", "overhead", "startup")
+BUDGET_S = 180.0
+
+pytestmark = pytest.mark.slow
+
+
+def _peers_available() -> str | None:
+    """None when gunicorn and matplotlib import (installing them if we can), else why not."""
+    missing = []
+    for mod in ("gunicorn", "matplotlib"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            missing.append(mod)
+    if not missing:
+        return None
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *missing], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        return f"cannot install {missing}: {r.stderr.strip()[-200:]}"
+    importlib.invalidate_caches()
+    return None
+
+
+def _bench_processes(since: float) -> list[str]:
+    """Servers the bench started (they all serve benchapp:app) that are still alive."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["create_time"] >= since - 1 and ("benchapp:app" in cmd or "bench_apps" in cmd):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid} {cmd[:120]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def _servers_in(rows: list[dict[str, Any]]) -> set[str]:
+    return {r["server"].split("-")[0].split(" ")[0] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    why = _peers_available()
+    if why:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("bench")
+    t0 = time.time()
+    log = open(out / "bench.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--no-install", "--out", str(out)],
+                            cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(BUDGET_S + 30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)   # the bench stops its servers on SIGTERM
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        pytest.fail(f"scripts/bench --quick did not finish in {BUDGET_S + 30:.0f} s\n"
+                    + (out / "bench.log").read_text(errors="replace")[-3000:])
+    finally:
+        log.close()
+    elapsed = time.time() - t0
+    assert proc.returncode == 0, (out / "bench.log").read_text(errors="replace")[-4000:]
+    deadline = time.time() + 20
+    while _bench_processes(t0) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _bench_processes(t0), f"stray server processes: {_bench_processes(t0)}"
+    return out, elapsed
+
+
+def test_quick_mode_within_budget(quick_run: tuple[Path, float]) -> None:
+    _, elapsed = quick_run
+    assert elapsed < BUDGET_S, f"quick mode took {elapsed:.0f} s (budget {BUDGET_S:.0f} s)"
+
+
+def test_every_scenario_has_numbers_for_every_server(quick_run: tuple[Path, float]) -> None:
+    out, _ = quick_run
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["quick"] is True
+    sc = res["scenarios"]
+    for name in SCENARIOS:
+        assert name in sc, f"scenario {name} missing"
+        assert "error" not in sc[name], f"{name}: {sc[name].get('error')}"
+
+    for variant in {(r["variant"], r["placement"]) for r in sc["throughput"]["rows"]}:
+        rows = [r for r in sc["throughput"]["rows"] if (r["variant"], r["placement"]) == variant]
+        assert _servers_in(rows) == set(SERVERS), variant
+        assert all(r["rps"]["median"] and r["rps"]["median"] > 0 for r in rows), variant
+    assert {r["variant"] for r in sc["throughput"]["rows"]} == {"tiny", "cpu5"}
+
+    ov = sc["overload"]
+    assert ov["capacity"]["common_rps"] > 0
+    assert _servers_in(ov["rows"]) == set(SERVERS)
+    for r in ov["rows"]:
+        assert r["slo_goodput_rps"]["median"] is not None and r["cpu_after_s"]["median"] is not None
+        assert r["reps"][0]["sent"] > 0
+    assert ov["targets"], "issue-10 targets not evaluated"
+
+    for event in ("reload", "kill"):
+        rows = [r for r in sc["resilience"]["rows"] if r["event"] == event]
+        assert _servers_in(rows) == set(SERVERS), event
+        assert all(r["failed"]["median"] is not None and r["baseline_rps"]["median"] > 0 for r in rows)
+
+    assert _servers_in(sc["balance"]["rows"]) == set(SERVERS)
+    assert all(0.5 <= r["busiest_share"]["median"] <= 1.0 for r in sc["balance"]["rows"])
+    assert _servers_in(sc["balance"]["locality"]) == set(SERVERS)
+    assert all(r["local_share"]["median"] is not None for r in sc["balance"]["locality"])
+
+    rows = {r["server"]: r for r in sc["overhead"]["rows"]}
+    assert set(rows) == set(SERVERS)
+    assert all(r["supervisor_idle_cpu_pct_summary"]["median"] is not None for r in rows.values())
+    assert rows["numaserve"]["control_latency_s"] and all(x is not None for x in rows["numaserve"]["control_latency_s"])
+
+    rows = sc["startup"]["rows"]
+    assert _servers_in(rows) == set(SERVERS)
+    assert all(r["all_ready_s"]["median"] > 0 for r in rows)
+
+
+def test_markdown_and_plots(quick_run: tuple[Path, float]) -> None:
+    out, _ = quick_run
+    md = (out / "results.md").read_text()
+    for title in ("Throughput", "Overload", "Reload", "balance", "overhead", "Start-up"):
+        assert title in md, title
+    for srv in SERVERS:
+        assert srv in md
+    assert "Issue-10 targets" in (out / "overload.md").read_text()
+    res = json.loads((out / "results.json").read_text())
+    pngs = sorted(out.glob("*.png"))
+    assert {p.name for p in pngs} == set(res["meta"]["plots"])
+    assert len(pngs) >= 5
+    for p in pngs:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, p.name
