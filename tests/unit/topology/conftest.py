@@ -151,7 +151,8 @@ class FakeRoot:
         for size, (nr, free) in (hugepages or {2048: (0, 0)}).items():
             self.write(f"{base}/hugepages/hugepages-{size}kB/nr_hugepages", str(nr))
             self.write(f"{base}/hugepages/hugepages-{size}kB/free_hugepages", str(free))
-        (self.path / base / "memory7").mkdir(exist_ok=True)  # memory block dirs must be ignored
+        # memory block dirs must be ignored (a file inside, so git keeps the directory)
+        self.write(f"{base}/memory7/online", "1")
 
     def node_lists(self, online: str, possible: str | None = None, has_memory: str | None = None) -> None:
         self.write("sys/devices/system/node/online", online)
@@ -221,10 +222,12 @@ class FakeRoot:
             self.link(f"{dev}/driver", f"sys/bus/virtio/drivers/{driver}")
         netdir = f"{dev}/net/{name}"
         self.link(f"{netdir}/device", dev)
+        # each queue dir holds its real attribute file, so git (which drops empty
+        # directories) keeps committed trees intact
         for i in range(rx):
-            (self.path / netdir / "queues" / f"rx-{i}").mkdir(parents=True, exist_ok=True)
+            self.write(f"{netdir}/queues/rx-{i}/rps_cpus", "0")
         for i in range(tx):
-            (self.path / netdir / "queues" / f"tx-{i}").mkdir(parents=True, exist_ok=True)
+            self.write(f"{netdir}/queues/tx-{i}/tx_maxrate", "0")
         self.link(f"sys/class/net/{name}", netdir)
         return dev
 
