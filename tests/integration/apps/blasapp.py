@@ -3,16 +3,12 @@
 import json
 import os
 
+from asgi_helpers import lifespan, reply
+
 
 async def app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            else:
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    if await lifespan(scope, receive, send):
+        return
     import numpy as np
     from threadpoolctl import threadpool_info
 
@@ -24,5 +20,4 @@ async def app(scope, receive, send):
         "pools": [{"api": p["internal_api"], "num_threads": p["num_threads"]} for p in threadpool_info()],
         "os_threads": len(os.listdir("/proc/self/task")),
     }).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+    await reply(send, body, b"application/json")

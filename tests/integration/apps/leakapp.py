@@ -5,22 +5,19 @@ then stays flat (a healthy worker that grows at first)."""
 import json
 import os
 
+from asgi_helpers import lifespan, reply
+
 LEAK_SLOT = os.environ.get("LEAK_SLOT", "0")
 KEPT: list[bytes] = []
 CACHE: dict[int, bytes] = {}
 N = 0
 
 
+
 async def app(scope, receive, send):
     global N
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            else:
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    if await lifespan(scope, receive, send):
+        return
     N += 1
     slot = os.environ.get("NUMASERVE_SLOT")
     if slot == LEAK_SLOT:
@@ -28,5 +25,4 @@ async def app(scope, receive, send):
     elif N <= 300:
         CACHE[N] = os.urandom(100 * 1024)
     body = json.dumps({"slot": int(slot), "pid": os.getpid(), "gen": int(os.environ["NUMASERVE_GENERATION"])}).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+    await reply(send, body, b"application/json")

@@ -5,21 +5,16 @@ import os
 import time
 from urllib.parse import parse_qs
 
+from asgi_helpers import lifespan, reply
+
 
 async def app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    if await lifespan(scope, receive, send):
+        return
     q = parse_qs(scope.get("query_string", b"").decode())
     if scope["path"] == "/sleep":
         await asyncio.sleep(float(q.get("s", ["1"])[0]))
     elif scope["path"] == "/block":
         time.sleep(float(q.get("s", ["5"])[0]))
     body = f"slot={os.environ.get('NUMASERVE_SLOT')} gen={os.environ.get('NUMASERVE_GENERATION')} pid={os.getpid()}".encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-    await send({"type": "http.response.body", "body": body})
+    await reply(send, body, b"text/plain")
