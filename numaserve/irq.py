@@ -289,6 +289,12 @@ def plan_irqs(
     return plan
 
 
+def _skip_nic(plan: IrqPlan, nic: Nic, msg: str) -> None:
+    """A NIC left alone: a warning for the operator and a skipped entry with the reason."""
+    plan.warnings.append(msg)
+    plan.skipped.append(SkippedIrq(nic.name, None, None, msg))
+
+
 def _plan_nic(
     topo: Topology,
     nic: Nic,
@@ -302,15 +308,13 @@ def _plan_nic(
             f"not steering its IRQs. Fix: declare it in a declared topology file: "
             f"[nic.{nic.name}] node = N"
         )
-        plan.warnings.append(msg)
-        plan.skipped.append(SkippedIrq(nic.name, None, None, msg))
+        _skip_nic(plan, nic, msg)
         return
     try:
         node = topo.node(nic.numa_node)
     except KeyError:
         msg = f"{nic.name}: NUMA node {nic.numa_node} is not in the topology; not steering"
-        plan.warnings.append(msg)
-        plan.skipped.append(SkippedIrq(nic.name, None, None, msg))
+        _skip_nic(plan, nic, msg)
         return
     shared = _nic_cpus(topo, nic, node.cpus)
     if settings.policy == "reserved":
@@ -322,8 +326,7 @@ def _plan_nic(
                 f"(reserved: {format_list(rset) or 'none'}); set placement.reserve_irq_cpus > 0 "
                 f"or use policy \"shared\""
             )
-            plan.warnings.append(msg)
-            plan.skipped.append(SkippedIrq(nic.name, None, None, msg))
+            _skip_nic(plan, nic, msg)
             return
     else:
         cpus = shared
@@ -332,8 +335,7 @@ def _plan_nic(
             f"{nic.name}: no usable CPU on node {node.id} (node CPUs {format_list(node.cpus) or 'none'} "
             f"∩ NIC local CPUs ∩ online ∩ allowed is empty); not steering"
         )
-        plan.warnings.append(msg)
-        plan.skipped.append(SkippedIrq(nic.name, None, None, msg))
+        _skip_nic(plan, nic, msg)
         return
     ordered = order_cores_first(cpus, topo.smt_siblings)
 

@@ -48,7 +48,7 @@ from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier
-from numaserve.supervisor.operations import Operation, OperationFailed, Operations
+from numaserve.supervisor.operations import Operation, Operations
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
 

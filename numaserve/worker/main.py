@@ -302,7 +302,6 @@ class Worker:
                 for s in socks:
                     s.close()
                 return EXIT_ERROR, f"listener fd {fd} unusable: {describe_exception(e)}"
-        sock = socks[0]
 
         try:
             app = load_app(spec.app, spec.app_dir)

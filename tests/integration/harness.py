@@ -184,3 +184,22 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def two_pretend_nodes(tmp_path: Path, extra: str = "") -> tuple[Path, list[int]]:
+    """A declared topology mapping this machine's first two usable CPUs onto
+    pretend nodes 0 and 1 (both backed by real memory node 0); skips the test
+    on a machine with fewer than two usable CPUs.  ``extra`` is appended (e.g.
+    a ``[nic.X]`` table).  Returns the file and the two CPUs."""
+    import pytest
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        pytest.skip("needs 2 usable CPUs")
+    p = tmp_path / "topo.toml"
+    p.write_text(
+        f'mode = "replace"\n[[node]]\nid = 0\ncpus = "{cpus[0]}"\nmemory_node = 0\n'
+        f'[[node]]\nid = 1\ncpus = "{cpus[1]}"\nmemory_node = 0\n' + extra
+    )
+    return p, cpus
+

@@ -7,14 +7,13 @@ two nodes, so workers really run while IRQ files are written in the copy.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import FAST_CONFIG, Running
+from tests.integration.harness import FAST_CONFIG, Running, two_pretend_nodes
 
 pytestmark = pytest.mark.slow
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "irq" / "vm2n"
@@ -25,17 +24,10 @@ def _affinity(root: Path, irq: int) -> str:
 
 
 def test_irqs_applied_at_start_and_restored_at_exit(tmp_path: Path) -> None:
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 usable CPUs")
-    cpus = sorted(os.sched_getaffinity(0))[:2]
+    # the fixture's online CPUs are 0-3; ours map onto them by number
+    declared, cpus = two_pretend_nodes(tmp_path, "[nic.eth0]\nnode = 1\n")
     root = tmp_path / "root"
     shutil.copytree(FIXTURE, root, symlinks=True)
-    # the fixture's online CPUs are 0-3; map ours onto them by number
-    declared = tmp_path / "topo.toml"
-    declared.write_text(
-        f'mode = "replace"\n[[node]]\nid = 0\ncpus = "{cpus[0]}"\nmemory_node = 0\n'
-        f'[[node]]\nid = 1\ncpus = "{cpus[1]}"\nmemory_node = 0\n[nic.eth0]\nnode = 1\n'
-    )
     before = {irq: _affinity(root, irq) for irq in range(31, 40)}
     state = tmp_path / "irq-saved.json"
     cfg = FAST_CONFIG + f'\n[irq]\napply_at_start = true\nirqbalance = "warn"\nstate_file = "{state}"\n'

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import zmq
 
-from tests.integration.harness import REPO, Running, numaserve_argv
+from tests.integration.harness import Running
 from tests.integration.load import LoadLoop
 
 pytestmark = pytest.mark.slow

@@ -12,21 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Running
+from tests.integration.harness import Running, two_pretend_nodes
 
 pytestmark = pytest.mark.slow
 
 
 def _declared(tmp_path: Path) -> Path:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs 2 usable CPUs")
-    p = tmp_path / "topo.toml"
-    p.write_text(
-        f'mode = "replace"\n[[node]]\nid = 0\ncpus = "{cpus[0]}"\nmemory_node = 0\n'
-        f'[[node]]\nid = 1\ncpus = "{cpus[1]}"\nmemory_node = 0\n'
-    )
-    return p
+    return two_pretend_nodes(tmp_path)[0]
 
 
 def served_nodes(port: int, cpu: int, n: int) -> collections.Counter[int]:

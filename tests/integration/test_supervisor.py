@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import FAST_CONFIG, REPO, Running, http_get, numaserve_argv, pid_alive
+from tests.integration.harness import (
+    FAST_CONFIG,
+    REPO,
+    Running,
+    http_get,
+    numaserve_argv,
+    pid_alive,
+    two_pretend_nodes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +55,7 @@ def test_two_workers_on_node0_serve_and_report(tmp_path: Path) -> None:
 
 
 def test_declared_two_pretend_nodes_bind_each_worker(tmp_path: Path) -> None:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs 2 usable CPUs")
-    declared = tmp_path / "topo.toml"
-    declared.write_text(
-        f'mode = "replace"\n[[node]]\nid = 0\ncpus = "{cpus[0]}"\nmemory_node = 0\n'
-        f'[[node]]\nid = 1\ncpus = "{cpus[1]}"\nmemory_node = 0\n'
-    )
+    declared, cpus = two_pretend_nodes(tmp_path)
     with Running(["--nodes", "all", "--declared", str(declared), "--bind", "127.0.0.1:0"]) as sup:
         st = sup.wait_for(lambda st: all(s["binding_verified"] is True for s in st["slots"]), 15, "verified")
         by_node = {s["node"]: s for s in st["slots"]}

@@ -25,7 +25,7 @@ from numaserve.irq import (
     plan_irqs,
     restore,
 )
-from numaserve.topology.model import Irq, Nic, Node, Topology
+from numaserve.topology.model import Irq, Node, Topology
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "irq"
 _spec = importlib.util.spec_from_file_location("numaserve_irq_fixture_topos", FIX / "topos.py")
