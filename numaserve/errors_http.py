@@ -4,23 +4,30 @@ Clients get the same status number for the same failure whichever protocol
 they speak, and the same JSON body shape (the admission middleware's):
 ``{"error": {"type": ..., "code": status, "message": ...}}``.
 
-=====  ===============  ==============================================  ==================
-code   type             when                                            connection
-=====  ===============  ==============================================  ==================
-400    protocol_error   malformed request / frame (bad HTTP, bad        closed
-                        payload, empty frame)
-408    read_timeout     request head/body or a partial frame not        closed
-                        received within server.read_timeout
-413    too_large        body over server.max_body_bytes, frame over     closed
-                        framing.max_frame_bytes
-429    rate_limited     supervisor rate quota empty (+ Retry-After)     kept
-503    overloaded       admission queue full / shed; connection limit   kept
-                        (+ Retry-After)
-504    timeout          deadline (x-request-timeout / frame             kept
-                        ``timeout``) passed before the response
-500    internal         the app raised or returned no response          kept (frames), as
-                                                                        uvicorn (HTTP)
-=====  ===============  ==============================================  ==================
+=====  ================  ============================================  =================
+code   type              when                                          connection
+=====  ================  ============================================  =================
+400    protocol_error    malformed request / frame (bad HTTP, bad      closed
+                         payload, empty frame)
+408    read_timeout      request head/body or a partial frame not      closed
+                         received within server.read_timeout
+413    too_large         body over server.max_body_bytes, frame over   closed
+                         framing.max_frame_bytes
+431    header_too_large  request line + headers over                   closed
+                         server.max_header_bytes
+429    rate_limited      supervisor rate quota empty (+ Retry-After)   kept
+503    overloaded        admission queue full / shed (+ Retry-After);  kept; closed at
+                         server.max_connections reached                the connection
+                                                                       limit
+504    timeout           deadline (x-request-timeout / frame           kept
+                         ``timeout``) passed before the response
+500    internal          the app raised or returned no response        kept (frames), as
+                                                                       uvicorn (HTTP)
+=====  ================  ============================================  =================
+
+Every error numaserve answers itself (the edge middleware, the HTTP
+protocol's own 400/408/431, the connection limit's 503, admission, frames)
+uses this body; errors the app answers are the app's business.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ ERROR_CLASSES: dict[int, ErrorClass] = {
     400: ErrorClass(400, "protocol_error", True, False),
     408: ErrorClass(408, "read_timeout", True, False),
     413: ErrorClass(413, "too_large", True, False),
+    431: ErrorClass(431, "header_too_large", True, False),
     429: ErrorClass(429, "rate_limited", False, True),
     503: ErrorClass(503, "overloaded", False, True),
     504: ErrorClass(504, "timeout", False, False),

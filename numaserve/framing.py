@@ -19,7 +19,9 @@ not UTF-8.  ``timeout`` (seconds) becomes the request deadline
 
 The same port serves HTTP: :func:`looks_like_http` decides on the first byte
 (an ASCII capital letter starts every HTTP method; as a frame length prefix
-it would mean >= 1 GiB, far above :data:`MAX_FRAME_LIMIT`).
+it would mean >= 1 GiB, far above :data:`MAX_FRAME_LIMIT`).  Empty lines
+(CR, LF) may precede an HTTP request line; as a first byte they would mean
+a frame of >= 160 MiB, also above the limit.
 
 :class:`FrameDecoder` reads into one preallocated buffer handed to the
 transport (``get_buffer``/``buffer_updated``); complete payloads are decoded
@@ -55,8 +57,10 @@ __all__ = [
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 #: Hard cap for ``framing.max_frame_bytes``: keeps every length prefix a
-#: sniffer could mistake for HTTP (first byte >= 0x41, i.e. >= 1 GiB) invalid.
-MAX_FRAME_LIMIT = 256 * 1024 * 1024
+#: sniffer could mistake for HTTP invalid: a method's first byte (>= 0x41,
+#: i.e. >= 1 GiB) and the LF/CR of an empty line before the request line
+#: (0x0A/0x0D, >= 160 MiB).
+MAX_FRAME_LIMIT = 128 * 1024 * 1024
 _INITIAL_BUFFER = 64 * 1024
 _JSON_START = 0x7B  # "{"
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import click
 
 from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.fit import Column, fit_table, terminal_width, wrap_parts
 from numaserve.cpulist import format_list
 from numaserve.errors import NumaserveError
 
@@ -72,43 +73,75 @@ def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: f
 
 
 def _mb(n: int | None) -> str:
-    return "-" if not n else f"{n / 1048576:.1f}M"
+    """45.3M, 1.15G: memory sizes short enough for a column."""
+    if not n:
+        return "-"
+    mib = n / 1048576
+    return f"{mib:.1f}M" if mib < 1000 else f"{mib / 1024:.2f}G"
 
 
-def _render_status(data: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+_STATUS_COLUMNS = (  # natural order; priority: what stays on the slot's line at 80 columns
+    Column("slot", "slot", 0, right=True),
+    Column("node", "node", 3, right=True),
+    Column("pid", "pid", 2, right=True),
+    Column("gen", "gen", 8, right=True),
+    Column("state", "state", 1),
+    Column("cpus", "cpus", 9),
+    Column("mempolicy", "mempolicy", 10, short="policy"),
+    Column("binding", "binding", 11, quiet=("", "-", "verified")),
+    Column("rss", "rss", 6, right=True),
+    Column("up", "up", 7, right=True),
+    Column("restarts", "restarts", 5, right=True, short="rst"),
+    Column("requests", "requests", 4, right=True, short="reqs"),
+    Column("inflight", "inflight", 4, right=True, short="infl"),
+    Column("reason", "reason", 12),
+)
 
+
+def _duration(seconds: float) -> str:
+    """42s, 17m, 3.5h, 12d: short enough for a column."""
+    if seconds < 100:
+        return f"{seconds:.0f}s"
+    if seconds < 6000:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def status_lines(data: dict[str, Any], width: int) -> list[str]:
+    """The text of ``numaserve status`` for a terminal ``width`` columns wide (pure)."""
     sup = data["supervisor"]
-    # off a terminal (pipes, `watch`, logs) rich would wrap at 80 columns: use a wide line
-    console = Console() if sys.stdout.isatty() else Console(width=200)
     steer = sup.get("steering") or {}
-    console.print(
-        f"supervisor pid {sup['pid']}  state [bold]{sup['state']}[/]  up {sup['uptime_s']:.0f}s  "
-        f"listening {', '.join(sup['listeners'])}  steering {steer.get('mode', '-')}"
-    )
-    t = Table(show_edge=False, header_style="bold")
-    for col in ("slot", "node", "pid", "gen", "state", "cpus", "mempolicy", "binding", "rss", "up",
-                "restarts", "requests", "inflight", "last restart"):
-        t.add_column(col)
+    out = wrap_parts([f"supervisor pid {sup['pid']}", f"state {sup['state']}", f"up {_duration(sup['uptime_s'])}",
+                      f"listening {', '.join(sup['listeners'])}", f"steering {steer.get('mode', '-')}"], width)
+    rows = []
     for s in data["slots"]:
         verified = s["binding_verified"]
-        binding = "verified" if verified else ("-" if verified is None else "MISMATCH")
         pol = s["mempolicy"] + (":" + format_list(s["memory_nodes"]) if s["memory_nodes"] else "")
-        t.add_row(
-            str(s["slot"]), str(s["node"]), str(s["pid"] or "-"), str(s["generation"]), s["state"],
-            format_list(s["cpus"]), pol, binding, _mb(s["rss_bytes"]), f"{s['uptime_s']:.0f}s",
-            str(s["restarts"]), str(s["requests"]), str(s["inflight"]),
-            s["failed_reason"] or s["last_restart_reason"] or "",
-        )
-    console.print(t)
+        rows.append({
+            "slot": str(s["slot"]), "node": str(s["node"]), "pid": str(s["pid"] or "-"),
+            "gen": str(s["generation"]), "state": s["state"], "cpus": format_list(s["cpus"]),
+            "mempolicy": pol,
+            "binding": "verified" if verified else ("-" if verified is None else "MISMATCH"),
+            "rss": _mb(s["rss_bytes"]), "up": _duration(s["uptime_s"]), "restarts": str(s["restarts"]),
+            "requests": str(s["requests"]), "inflight": str(s["inflight"]),
+            "reason": s["failed_reason"] or s["last_restart_reason"] or "",
+        })
+    out += fit_table(_STATUS_COLUMNS, rows, width)
     for s in data["slots"]:
         for p in s.get("binding_problems") or []:
-            console.print(f"[red]slot {s['slot']}: {p}[/]")
+            out += wrap_parts([f"slot {s['slot']}: {p}"], width)
     for op in data.get("operations") or []:
         if op["state"] == "running":
             last = op["steps"][-1]["message"] if op["steps"] else ""
-            console.print(f"operation {op['id']} {op['kind']} running {op['elapsed_s']:.0f}s: {last}")
+            out += wrap_parts([f"operation {op['id']} {op['kind']} running {op['elapsed_s']:.0f}s:", last], width)
+    return out
+
+
+def _render_status(data: dict[str, Any]) -> None:
+    for line in status_lines(data, terminal_width()):
+        click.echo(line)
 
 
 @click.command("status")
@@ -219,6 +252,23 @@ def follow(target: Any, result: dict[str, Any], *, wait: bool, as_json: bool | N
         click.echo(f"{op['kind']} {op['id']} succeeded: {op['result']}")
 
 
+def show_operation(result: dict[str, Any], as_json: bool | None) -> None:
+    """One operation as it is now: its steps and, when it has ended, its outcome (exit 1 if failed)."""
+    op = result["operation"]
+    if want_json(as_json):
+        echo_json(result)
+    else:
+        click.echo(f"operation {op['id']} ({op['kind']}) {op['state']} after {op['elapsed_s']:.1f}s")
+        for step in op["steps"]:
+            click.echo(f"  +{step['t']:7.2f}s  {step['message']}")
+        if op["state"] == "running":
+            click.echo(f"still running: `numaserve operation {op['id']} --wait` follows it")
+        elif op["state"] == "succeeded":
+            click.echo(f"{op['kind']} {op['id']} succeeded: {op['result']}")
+    if op["state"] not in ("running", "succeeded"):
+        raise NumaserveError(f"{op['kind']} {op['id']} {op['state']}: {op['result']}")
+
+
 wait_option = click.option("--wait/--no-wait", default=False, help="Follow progress until the operation ends.")
 json_option = click.option("--json/--no-json", "as_json", default=None)
 
@@ -300,7 +350,10 @@ def operation(target: Any, reply_timeout: float, op_id: str | None, wait: bool, 
     """Show one operation (or the recent ones), optionally following it."""
     res = _call(target, "operation", {"id": op_id} if op_id else {}, timeout=reply_timeout)
     if op_id:
-        follow(target, res, wait=wait, as_json=as_json, reply_timeout=reply_timeout, limit=None)
+        if wait:
+            follow(target, res, wait=True, as_json=as_json, reply_timeout=reply_timeout, limit=None)
+        else:
+            show_operation(res, as_json)
         return
     if want_json(as_json):
         echo_json(res)
@@ -408,37 +461,69 @@ class TopView:
         return (r1 - r0) / 1048576 / ((t1 - t0) / 60)
 
     def rows(self) -> list[dict[str, Any]]:
+        """One dict per slot; ``rps`` is None until two snapshots of the same worker gave a rate."""
         out = []
         for s in self.data.get("slots", []):
             lat = s.get("latency_ms") or {}
             extra = s.get("limits") or {}
+            rate = self.rates.get(s["slot"])
+            trend = self.rss_trend(s["slot"])
             out.append({
                 "slot": s["slot"], "node": s["node"], "pid": s["pid"], "generation": s["generation"],
-                "state": s["state"], "rps": round(self.rates.get(s["slot"], 0.0), 1),
+                "state": s["state"], "rps": None if rate is None else round(rate, 1),
                 "p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "inflight": s.get("inflight"),
                 "queued": s.get("queued", 0), "shed": s.get("shed", 0), "rss_bytes": s.get("rss_bytes"),
-                "rss_trend_mb_min": None if self.rss_trend(s["slot"]) is None else round(self.rss_trend(s["slot"]), 2),
+                "rss_trend_mb_min": None if trend is None else round(trend, 2),
                 "limits": extra,
             })
         return out
 
-    def table(self) -> Any:
-        from rich.table import Table
+    @property
+    def warming_up(self) -> bool:
+        """No rate is known yet for a serving slot (the first snapshot only gives counts)."""
+        return any(s["slot"] not in self.rates and s.get("pid") for s in self.data.get("slots", []))
 
-        t = Table(title=f"numaserve top — {self.data.get('state', '?')}", header_style="bold")
-        for col in ("slot", "node", "pid", "gen", "state", "req/s", "p50 ms", "p99 ms", "inflight", "queued",
-                    "shed", "rss", "rss trend", "limit"):
-            t.add_column(col, justify="right" if col not in ("state",) else "left")
+    def lines(self, width: int) -> list[str]:
+        """The text of one ``top`` frame, ``width`` columns wide (pure)."""
+        title = f"numaserve top — {self.data.get('state', '?')}"
+        if self.warming_up:
+            title += " — warming up (rates after the next update)"
+        rows = []
         for r in self.rows():
             trend = r["rss_trend_mb_min"]
             lim = r["limits"].get("concurrency") if isinstance(r["limits"], dict) else None
-            t.add_row(
-                str(r["slot"]), str(r["node"]), str(r["pid"] or "-"), str(r["generation"]), r["state"],
-                f"{r['rps']:.1f}", _fmt(r["p50_ms"]), _fmt(r["p99_ms"]), str(r["inflight"] or 0),
-                str(r["queued"] or 0), str(r["shed"] or 0), _mb(r["rss_bytes"]),
-                "-" if trend is None else f"{trend:+.1f}M/min", "-" if lim is None else str(lim),
-            )
-        return t
+            rows.append({
+                "slot": str(r["slot"]), "node": str(r["node"]), "pid": str(r["pid"] or "-"),
+                "gen": str(r["generation"]), "state": r["state"],
+                "rps": "…" if r["rps"] is None else f"{r['rps']:.1f}",
+                "p50": _fmt(r["p50_ms"]), "p99": _fmt(r["p99_ms"]), "inflight": str(r["inflight"] or 0),
+                "queued": str(r["queued"] or 0), "shed": str(r["shed"] or 0), "rss": _mb(r["rss_bytes"]),
+                "trend": "-" if trend is None else f"{trend:+.1f}M/min", "limit": "-" if lim is None else str(lim),
+            })
+        return wrap_parts([title], width) + fit_table(_TOP_COLUMNS, rows, width, details=False)
+
+    def table(self, width: int | None = None) -> Any:
+        from rich.text import Text
+
+        return Text("\n".join(self.lines(width or terminal_width())), no_wrap=True)
+
+
+_TOP_COLUMNS = (
+    Column("slot", "slot", 0, right=True),
+    Column("node", "node", 6, right=True),
+    Column("pid", "pid", 9, right=True),
+    Column("gen", "gen", 12, right=True),
+    Column("state", "state", 1),
+    Column("rps", "req/s", 2, right=True),
+    Column("p50", "p50 ms", 4, right=True, short="p50"),
+    Column("p99", "p99 ms", 3, right=True, short="p99"),
+    Column("inflight", "inflight", 5, right=True, short="infl"),
+    Column("queued", "queued", 7, right=True, short="q", quiet=("", "-", "0")),
+    Column("shed", "shed", 8, right=True, quiet=("", "-", "0")),
+    Column("rss", "rss", 10, right=True),
+    Column("trend", "rss trend", 11, right=True, short="trend"),
+    Column("limit", "limit", 13, right=True, short="lim"),
+)
 
 
 def _fmt(v: Any) -> str:

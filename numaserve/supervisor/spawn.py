@@ -76,7 +76,7 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         tls=_checked_tls(_section(cfg, "tls", TlsConfig)),
         gc_freeze=_section(cfg, "allocator", AllocatorConfig).gc_freeze,
         log_level=cfg.log.level,
-        log_format="json" if cfg.log.format == "auto" else cfg.log.format,
+        log_format=cfg.log.format,  # "auto" decided by each worker on its stderr (ours: a tty or not)
     )
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import sys
 from typing import Any
 
-__all__ = ["DEFAULT_APP", "AppLoadError", "describe_exception", "load_app"]
+__all__ = ["DEFAULT_APP", "AppLoadError", "describe_exception", "failure_line", "load_app"]
 
 DEFAULT_APP = "numaserve.apps.demo:app"
 
@@ -27,6 +28,35 @@ def describe_exception(exc: BaseException) -> str:
     first = text.splitlines()[0] if text else ""
     name = type(exc).__name__
     return f"{name}: {first}" if first else name
+
+
+#: Lines of a formatted traceback that are structure, not the exception.
+_TRACEBACK_HEADERS = ("Traceback (most recent call last):", "Exception Group Traceback",
+                      "During handling of the above exception", "The above exception was the direct cause")
+#: The box drawn around an exception group's members ("  | ", "    | ").
+_GROUP_PREFIX = re.compile(r"^\s*(?:\| ?)")
+
+
+def failure_line(text: str) -> str:
+    """The one line worth reporting from a failure message.
+
+    Frameworks report a failed lifespan startup with the whole traceback as
+    the message (Starlette: ``traceback.format_exc()``), whose first line is
+    "Traceback (most recent call last):" and whose *last* exception line
+    ("FileNotFoundError: [Errno 2] ...") is what an operator needs.  Works
+    for chained exceptions (the last raised wins) and exception groups (the
+    innermost member).  Any other message: its first non-empty line.
+    """
+    lines = [line.rstrip() for line in text.strip().splitlines()]
+    if not any(h in text for h in _TRACEBACK_HEADERS[:2]):
+        return next((line.strip() for line in lines if line.strip()), "")
+    found = ""
+    for line in lines:
+        body = _GROUP_PREFIX.sub("", line, count=1) if line.lstrip().startswith("|") else line
+        if not body or body[0].isspace() or body[0] in "+-" or body.startswith(_TRACEBACK_HEADERS):
+            continue  # frames, source lines, group boxes, section headers
+        found = body
+    return found or next((line.strip() for line in lines if line.strip()), "")
 
 
 def _is_asgi3(app: Any) -> bool:

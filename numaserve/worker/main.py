@@ -26,7 +26,7 @@ import structlog
 import structlog.tracebacks
 
 from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
-from numaserve.worker.appload import AppLoadError, describe_exception, load_app
+from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
 from numaserve.worker.cache import CacheMiddleware, ResponseCache
 from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
 from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
@@ -154,19 +154,22 @@ class Worker:
         return self._stop_deadline - time.monotonic()
 
     async def _stop_sequence(self) -> None:
-        """Stop accepting -> idle grace -> close idle conns -> wait in-flight -> uvicorn shutdown."""
+        """Stop accepting -> idle grace -> close idle conns -> wait in-flight and
+        websockets until the deadline -> websockets closed 1001 -> uvicorn shutdown."""
         server = self.server
         if server is None:  # not serving yet: run() checks the deadline before serving
             return
         server.stop_accepting()
         grace_end = time.monotonic() + min(IDLE_GRACE, max(0.0, self._remaining()) / 2)
-        while server.connection_count and time.monotonic() < grace_end:
+        while server.connection_count > server.websocket_count and time.monotonic() < grace_end:
             await asyncio.sleep(_POLL)
         closed = server.shutdown_connections()
         while (self.stats.inflight > 0 or server.connection_count > 0) and self._remaining() > 0:
             await asyncio.sleep(_POLL)
+        websockets = server.close_websockets(1001, "server shutting down")
         self.log.info("stop_draining_done", inflight=self.stats.inflight,
-                      connections=server.connection_count, shut_down=closed)
+                      connections=server.connection_count, shut_down=closed,
+                      websockets_closed=websockets)
         server.config.timeout_graceful_shutdown = max(0.05, self._remaining())  # type: ignore[assignment]
         server.should_exit = True
 
@@ -336,9 +339,10 @@ class Worker:
             await self.server.serve(sockets=socks)
         except SystemExit as e:  # uvicorn's sys.exit(STARTUP_FAILURE) on lifespan failure
             if e.code == EXIT_APP_LOAD_FAILED:
-                why = (self.lifespan.startup_failed_message or self.lifespan.exception
-                       or "see worker log")
-                return EXIT_APP_LOAD_FAILED, f"lifespan startup failed: {why.splitlines()[0]}"
+                why = failure_line(self.lifespan.startup_failed_message or self.lifespan.exception
+                                   or "") or "see worker log"
+                self.log.error("lifespan_startup_failed", error=why)
+                return EXIT_APP_LOAD_FAILED, f"lifespan startup failed: {why}"
             raise RuntimeError(f"uvicorn exited with status {e.code}") from None
         if self.orphaned:
             return EXIT_ERROR, "supervisor gone"
@@ -362,7 +366,8 @@ def _fallback_logging(level: str, fmt: str) -> Any:
         [structlog.processors.ExceptionRenderer(  # structured traceback, no locals (secrets)
             structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
          structlog.processors.JSONRenderer(default=str)]
-        if fmt == "json" else [structlog.dev.ConsoleRenderer(colors=False)]
+        if fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+        else [structlog.dev.ConsoleRenderer(colors=False)]
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(

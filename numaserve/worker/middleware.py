@@ -10,9 +10,11 @@ worker needs it for ``Goodbye``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable, MutableMapping
 
+from numaserve.errors_http import error_body, error_headers
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.stats import WorkerStats
 
@@ -21,7 +23,6 @@ __all__ = [
     "BodyLimitMiddleware",
     "LifespanRecord",
     "MetricsMiddleware",
-    "simple_response",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -32,16 +33,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _CLOSE = (b"connection", b"close")
 
-
-async def simple_response(send: Send, status: int, body: bytes,
-                          content_type: bytes = b"text/plain; charset=utf-8",
-                          close: bool = True) -> None:
-    """Send a complete small response; ``close`` makes uvicorn drop the connection after it."""
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append(_CLOSE)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+logger = logging.getLogger("numaserve.edge")
 
 
 class LifespanRecord:
@@ -120,23 +112,37 @@ class MetricsMiddleware:
             raise
 
 
-class _Refuse(Exception):
-    """Raised out of the wrapped ``receive`` to abort the app with a status."""
+#: After a 413 the rest of the body is read and dropped for up to this long /
+#: this many bytes before the connection closes (nginx's lingering close):
+#: closing with unread data makes the kernel send RST, and a client still
+#: writing its body (httpx, requests) would lose the answer.
+LINGER_S = 2.0
+LINGER_BYTES = 64 * 1024 * 1024
 
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(status)
-        self.status = status
-        self.body = body
+
+def _disconnect() -> Message:
+    return {"type": "http.disconnect"}
 
 
 class BodyLimitMiddleware:
     """413 for bodies over ``max_body_bytes``, 408 when a body is slower than ``read_timeout``.
 
-    A declared Content-Length over the limit is refused before the app runs
-    (and before uvicorn would send ``100 Continue``).  Chunked bodies are
-    counted as they stream.  The read deadline runs from the start of the
-    request to the last body chunk; waiting for ``http.disconnect`` after the
-    body is complete is not limited.  Both answers close the connection.
+    Decided and answered here, at the edge, never by raising into the app
+    (frameworks turn an exception from ``receive()`` into their own 500):
+
+    * a declared Content-Length over the limit is refused before the app
+      runs (and before uvicorn would send ``100 Continue``);
+    * a streamed (chunked) body is counted as it arrives; the read deadline
+      runs from the start of the request to the last body chunk (waiting for
+      ``http.disconnect`` after the body is complete is not limited).
+
+    When a limit is hit the edge sends the JSON error itself (connection
+    closed, after a bounded lingering read of the rest of a too-large body),
+    and the app's ``receive()`` returns ``http.disconnect`` — to the app it
+    looks like a client that left, so it stops as it would then; whatever it
+    sends or raises afterwards is dropped.  If the app had already started
+    its response there is no status left to send: it sees the disconnect
+    and uvicorn closes the connection when it returns.
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout: float,
@@ -151,25 +157,36 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.max_body_bytes
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1  # the HTTP parser already rejects these
-                if limit > 0 and declared > limit:
-                    await self._refuse(send, _Refuse(413, b"Request body too large"))
-                    return
-                break
+        if limit > 0:
+            declared = _declared_length(scope)
+            if declared > limit:
+                self._count(413)
+                # a client waiting for 100 Continue sends nothing: no need to linger
+                linger = None if _expects_continue(scope) or declared > LINGER_BYTES else receive
+                await _answer(send, 413, _too_large(limit), linger)
+                return
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout if self.read_timeout > 0 else None
         received = 0
         body_done = False
         started = False
+        refused = 0  # the status the edge decided on (0: none)
+
+        async def refuse(status: int, message: str) -> Message:
+            nonlocal refused
+            refused = status
+            self._count(status)
+            if started:
+                logger.warning("%s after the response started: the connection is closed", message)
+            else:
+                await _answer(send, status, message, receive if status == 413 else None)
+            return _disconnect()
 
         async def limited_receive() -> Message:
             nonlocal received, body_done
+            if refused:
+                return _disconnect()
             if body_done or deadline is None:
                 message = await receive()
             else:
@@ -177,32 +194,88 @@ class BodyLimitMiddleware:
                     async with asyncio.timeout_at(deadline):
                         message = await receive()
                 except TimeoutError:
-                    raise _Refuse(408, b"Request body not received in time") from None
+                    return await refuse(408, f"request body not received within server.read_timeout "
+                                             f"({self.read_timeout:g} s)")
             if message["type"] == "http.request" and not body_done:
                 received += len(message.get("body", b""))
                 if not message.get("more_body", False):
                     body_done = True
                 if limit > 0 and received > limit:
-                    raise _Refuse(413, b"Request body too large")
+                    return await refuse(413, _too_large(limit))
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if refused:
+                return  # the edge answered (or gave up on) this exchange
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _Refuse as refusal:
-            if started:
-                raise  # too late for a status: uvicorn closes the connection
-            await self._refuse(send, refusal)
+        except Exception as e:  # noqa: BLE001 - only swallowed when it follows our refusal
+            if not refused:
+                raise
+            logger.debug("app raised after the edge answered %d: %s", refused, describe_exception(e))
 
-    async def _refuse(self, send: Send, refusal: _Refuse) -> None:
+    def _count(self, status: int) -> None:
         if self.stats is not None:
-            if refusal.status == 413:
+            if status == 413:
                 self.stats.rejected_body_too_large += 1
             else:
                 self.stats.rejected_read_timeout += 1
-        await simple_response(send, refusal.status, refusal.body)
+
+
+def _too_large(limit: int) -> str:
+    return f"request body too large: over server.max_body_bytes ({limit} bytes)"
+
+
+def _declared_length(scope: Scope) -> int:
+    """The request's Content-Length, -1 when absent (the HTTP parser rejects bad ones)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return -1
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(name == b"expect" and value.lower() == b"100-continue"
+               for name, value in scope.get("headers", ()))
+
+
+async def _answer(send: Send, status: int, message: str, linger: Receive | None) -> None:
+    """The JSON error from the edge, closing the connection.
+
+    With ``linger`` the complete body goes out first (``more_body`` still
+    set, so the connection stays open), then the rest of the request body is
+    read and dropped within LINGER_S / LINGER_BYTES, then the empty final
+    chunk makes the server close.
+    """
+    body = error_body(status, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*error_headers(status, body), _CLOSE]})
+    if linger is None:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    await _discard_body(linger)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _discard_body(receive: Receive) -> None:
+    dropped = 0
+    try:
+        async with asyncio.timeout(LINGER_S):
+            while dropped <= LINGER_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                dropped += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return

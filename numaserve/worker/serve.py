@@ -6,13 +6,16 @@ SIGTERM handler and the control channel decide when to stop, (2) learn when
 it has started, and (3) drain: ``Server.servers`` (the asyncio/uvloop
 ``Server`` objects, closed to stop accepting) and ``Server.server_state.
 connections`` (protocol objects whose ``shutdown()`` closes an idle
-connection or marks a busy one to close after its response).
+connection or marks a busy one to close after its response; websockets
+are closed by ``close_websocket`` at the drain deadline instead).
 
 uvicorn's httptools protocol enforces no header size limit and no timeout
 until the headers are complete (measured: a 2 MB header line is accepted; a
 connection that never sends a byte stays open forever), so the default
 protocol is a small subclass that adds both: 431 past ``max_header_bytes``,
-408 (or a silent close if nothing arrived) past ``read_timeout``.
+408 (or a silent close if nothing arrived) past ``read_timeout``.  It also
+gives uvicorn's own 400 (unparsable request) and 503 (``limit_concurrency``)
+the JSON error body of ``numaserve.errors_http``.
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from typing import Any, Callable, Generator, Sequence
 
 import uvicorn
 
+from numaserve.errors_http import error_body, error_headers
 from numaserve.worker.spec import WorkerSpec
 
 __all__ = [
     "WorkerServer",
     "build_config",
+    "close_websocket",
+    "connection_limit_503",
+    "is_websocket",
     "guarded_httptools_protocol",
     "loop_factory",
     "open_listener",
@@ -72,8 +79,17 @@ def open_listener(fd: int) -> socket.socket:
     return sock
 
 
+async def connection_limit_503(scope: Any, receive: Any, send: Any) -> None:
+    """The answer past ``server.max_connections``: uvicorn's 503, in the error shape."""
+    body = error_body(503, "server.max_connections reached: try again")
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [*error_headers(503, body), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
     """The httptools protocol with a header size limit and a header timeout."""
+    from uvicorn.protocols.http.flow_control import service_unavailable
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
     class _HeaderTooLarge(Exception):
@@ -114,16 +130,24 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
                 return
             self._raw_header_bytes += len(data)
             if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
-                self._reject(431, "Request header fields too large")
+                self._reject(431, self._too_large_message())
                 return
             if self._header_timer is None:
                 self._arm_header_timer()
 
         def send_400_response(self, msg: str) -> None:
             if self._too_large:  # our callback stopped the parser: say why
-                self._reject(431, "Request header fields too large")
-            else:
-                super().send_400_response(msg)
+                self._reject(431, self._too_large_message())
+            else:  # uvicorn's own 400 ("Invalid HTTP request received."), in our error shape
+                self._reject(400, msg, log=False)  # uvicorn already logged it
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if app is service_unavailable:  # server.max_connections reached: uvicorn's text 503
+                app = connection_limit_503
+            super()._start_asgi_task(cycle, app)
+
+        def _too_large_message(self) -> str:
+            return f"request header fields too large: over server.max_header_bytes ({self._max_header_bytes} bytes)"
 
         def _count(self, n: int) -> None:
             self._header_bytes += n
@@ -171,27 +195,24 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
                 self._arm_header_timer()
                 return
             if self._in_headers and self._raw_header_bytes > 0:
-                self._reject(408, "Request header not received in time")
+                self._reject(408, "request header not received within server.read_timeout "
+                                  f"({self._header_timeout:g} s)")
             elif self.cycle is None:
                 self.transport.close()  # connected, never sent a byte
 
-        def _reject(self, status: int, msg: str) -> None:
+        def _reject(self, status: int, msg: str, log: bool = True) -> None:
             self._cancel_header_timer()
             if self._busy():
                 self.transport.close()  # cannot interleave a status into a running response
                 return
-            body = msg.encode("ascii")
+            body = error_body(status, msg)
             content = [STATUS_LINE[status]]
-            for name, value in self.server_state.default_headers:
+            for name, value in [*self.server_state.default_headers, *error_headers(status, body),
+                                (b"connection", b"close")]:
                 content.extend([name, b": ", value, b"\r\n"])
-            content.extend([
-                b"content-type: text/plain; charset=utf-8\r\n",
-                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-                b"connection: close\r\n",
-                b"\r\n",
-                body,
-            ])
-            self.logger.warning("%s: %d", msg, status)
+            content.extend([b"\r\n", body])
+            if log:
+                self.logger.warning("%s: %d", msg, status)
             self.transport.write(b"".join(content))
             self.transport.close()
 
@@ -274,6 +295,36 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None) -> uvicorn.Co
     )
 
 
+def is_websocket(conn: Any) -> bool:
+    """True for uvicorn's websocket protocol objects (any implementation)."""
+    return any(c.__module__.startswith("uvicorn.protocols.websockets") for c in type(conn).__mro__)
+
+
+def close_websocket(conn: Any, code: int, reason: str) -> None:
+    """uvicorn's websocket ``shutdown()`` with our close code instead of its fixed 1012.
+
+    Knows the two implementations uvicorn picks by default (websockets'
+    sans-I/O protocol, wsproto); anything else (the legacy ``websockets``
+    implementation, chosen only explicitly) gets uvicorn's ``shutdown()``.
+    """
+    kind = type(conn).__name__
+    if kind not in ("WebSocketsSansIOProtocol", "WSProtocol") or conn.close_sent \
+            or not conn.handshake_complete:
+        conn.shutdown()  # closing already, or still in the handshake (answered 500)
+        return
+    conn.stop_keepalive()
+    conn.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+    if kind == "WSProtocol":
+        import wsproto.events
+
+        conn.transport.write(conn.conn.send(wsproto.events.CloseConnection(code=code, reason=reason)))
+    else:
+        conn.conn.send_close(code, reason)
+        conn.transport.write(b"".join(conn.conn.data_to_send()))
+    conn.close_sent = True
+    conn.transport.close()
+
+
 class WorkerServer(uvicorn.Server):
     """uvicorn.Server without signal handling, with a started hook and drain helpers."""
 
@@ -302,12 +353,32 @@ class WorkerServer(uvicorn.Server):
         return len(servers)
 
     def shutdown_connections(self) -> int:
-        """Close idle connections now; busy ones close after their current response."""
-        conns = list(self.server_state.connections)
+        """Close idle HTTP/frame connections now; busy ones close after their current response.
+
+        WebSockets are left open: like a streaming response they get the
+        whole drain deadline (``close_websockets`` at the end of it), where
+        uvicorn's own ``shutdown()`` would close them with 1012 at once.
+        """
+        conns = [c for c in self.server_state.connections if not is_websocket(c)]
         for conn in conns:
             conn.shutdown()
+        return len(conns)
+
+    def close_websockets(self, code: int = 1001, reason: str = "server shutting down") -> int:
+        """Close every open websocket now with ``code`` (1001 going away); returns how many.
+
+        The app's pending ``receive()`` gets ``websocket.disconnect`` with
+        that code and the client a Close frame with it.
+        """
+        conns = [c for c in self.server_state.connections if is_websocket(c)]
+        for conn in conns:
+            close_websocket(conn, code, reason)
         return len(conns)
 
     @property
     def connection_count(self) -> int:
         return len(self.server_state.connections)
+
+    @property
+    def websocket_count(self) -> int:
+        return sum(1 for c in self.server_state.connections if is_websocket(c))

@@ -3,7 +3,8 @@
 ``sniffing_protocol(http_cls, settings)`` returns a protocol class for
 uvicorn's ``Config(http=...)``.  Each connection starts as a
 ``BufferedProtocol`` reading into its frame decoder's preallocated buffer.
-The first byte decides (``numaserve.framing.looks_like_http``):
+The first byte decides (``numaserve.framing.looks_like_http``), after any
+empty lines (CR/LF, RFC 9112 §2.2: HTTP, since no frame can start so):
 
 * HTTP: the uvicorn HTTP protocol is created, given the transport, swapped in
   with ``transport.set_protocol()`` and fed the bytes already read.  Checked
@@ -77,6 +78,9 @@ def _scratch_buffer() -> memoryview:
         buf = _scratch.buf = memoryview(bytearray(_FIRST_READ))
     return buf
 _DEADLINE_HEADER = b"x-request-timeout"
+_CRLF = (0x0D, 0x0A)
+#: Empty-line bytes accepted before the first request line; more closes the connection.
+_MAX_BLANK = 1024
 
 
 def frame_stats() -> dict[str, int]:
@@ -123,6 +127,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             self._linger = False        # protocol error: half-close and drain before closing
             self._eof = False           # the client half-closed: answer what we have, then close
             self._discarded = 0
+            self._blank = 0             # empty-line bytes skipped before the first request
             self._lost = False
             self._lost_event: asyncio.Event | None = None
             self._timer: asyncio.TimerHandle | None = None
@@ -158,6 +163,9 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 if nbytes <= 0 or self._mode:
                     return
                 first = _scratch_buffer()[:nbytes]
+                if first[0] in _CRLF or self._blank:
+                    self._skip_blank_lines(bytes(first))
+                    return
                 if looks_like_http(first[0]):
                     self._switch_to_http(bytes(first))
                     return
@@ -204,6 +212,21 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 self.transport.close()
 
         # --- HTTP -----------------------------------------------------------------------
+
+        def _skip_blank_lines(self, data: bytes) -> None:
+            """RFC 9112 §2.2: empty lines before a request line are ignored.
+
+            A frame never starts with CR or LF (its length would be over
+            MAX_FRAME_LIMIT), so these bytes mean HTTP; they are dropped here
+            (h11 would refuse them; httptools skips them) and whatever follows
+            goes to the HTTP protocol, which answers 400 if it is not HTTP.
+            """
+            rest = data.lstrip(b"\r\n")
+            self._blank += len(data) - len(rest)
+            if self._blank > _MAX_BLANK:
+                self.transport.close()  # a stream of empty lines is not a request
+            elif rest:
+                self._switch_to_http(rest)
 
         def _switch_to_http(self, first: bytes) -> None:
             COUNTERS["sniffed_http"] += 1

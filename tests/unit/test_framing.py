@@ -29,6 +29,7 @@ def test_http_methods_are_sniffed_and_frame_prefixes_are_not() -> None:
     for n in (0, 1, 1 << 20, MAX_FRAME_LIMIT):
         assert not looks_like_http(struct.pack(">I", n)[0])
     assert MAX_FRAME_LIMIT < 0x41 << 24  # any "A".."Z" first byte is an impossible length
+    assert MAX_FRAME_LIMIT < 0x0A << 24  # so is the LF/CR of an empty line before a request
 
 
 def test_request_round_trip_msgpack_and_json() -> None:

@@ -299,6 +299,36 @@ def test_tls_serves_http_and_frames(loop: str, tmp_path: Any) -> None:
     run(loop, main())
 
 
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_empty_lines_before_the_request_line_are_http(loop: str, http: str) -> None:
+    """RFC 9112 §2.2: a server SHOULD ignore at least one empty line before a request line."""
+    request = b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+    async def send_parts(port: int, *parts: bytes) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        for part in parts:
+            w.write(part)
+            await w.drain()
+            await asyncio.sleep(0.05)  # separate reads on the server
+        out = await asyncio.wait_for(r.read(), 5)
+        w.close()
+        return out
+
+    async def main() -> None:
+        async with serving(http=http) as (_, port, stats):
+            for parts in ([b"\r\n" + request], [b"\n\r\n\r\n" + request], [b"\r\n", b"\r\n", request]):
+                out = await send_parts(port, *parts)
+                assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"GET /a http"), (parts, out[:60])
+            # what follows empty lines is HTTP or nothing: a frame cannot start with CR/LF
+            out = await send_parts(port, b"\r\n" + encode_frame(encode_request(1, "GET", "/")))
+            assert out.startswith(b"HTTP/1.1 400")
+            assert await send_parts(port, b"\r\n" * 600) == b""  # an endless stream of empty lines: closed
+            assert stats.requests == 3
+            async with AsyncFrameClient("127.0.0.1", port) as c:  # frames unaffected
+                assert (await c.request("GET", "/b")).status == 200
+    run(loop, main())
+
+
 def test_frames_can_be_switched_off() -> None:
     spec = make_spec(framing=FramingConfig(enabled=False))
     cfg = build_config(spec, echo_app)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from numaserve.apps import demo
-from numaserve.worker.appload import AppLoadError, describe_exception, load_app
+from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
 
 APP_SOURCE = textwrap.dedent('''
     class Holder:
@@ -95,3 +95,50 @@ def test_describe_exception() -> None:
     assert describe_exception(ValueError("a\nb")) == "ValueError: a"
     assert describe_exception(KeyError()) == "KeyError"
     assert describe_exception(RuntimeError("   ")) == "RuntimeError"
+
+
+# --- failure_line: the one line of a failure message ---------------------------------
+
+
+def formatted(fn: Any) -> str:
+    import traceback
+
+    try:
+        fn()
+    except BaseException:  # noqa: BLE001
+        return traceback.format_exc()
+    raise AssertionError("did not raise")
+
+
+def test_failure_line_takes_the_exception_out_of_a_traceback() -> None:
+    def missing_file() -> None:
+        open("/nonexistent/model.bin")  # noqa: SIM115
+
+    text = formatted(missing_file)
+    assert text.startswith("Traceback (most recent call last):")
+    assert failure_line(text) == "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/model.bin'"
+
+
+def test_failure_line_of_a_chained_exception_is_the_last_raised() -> None:
+    def chained() -> None:
+        try:
+            {}["model"]
+        except KeyError as e:
+            raise RuntimeError("config has no model:\n  set [model] path") from e
+
+    assert failure_line(formatted(chained)) == "RuntimeError: config has no model:"
+
+
+def test_failure_line_of_an_exception_group_is_the_member() -> None:
+    def group() -> None:
+        raise ExceptionGroup("unhandled errors in a TaskGroup", [FileNotFoundError(2, "No such file")])
+
+    text = formatted(group)
+    assert "| FileNotFoundError" in text
+    assert failure_line(text) == "FileNotFoundError: [Errno 2] No such file"
+
+
+def test_failure_line_of_a_plain_message_is_its_first_line() -> None:
+    assert failure_line("boom: no model\nsecond line") == "boom: no model"
+    assert failure_line("\n\n  only this  \n") == "only this"
+    assert failure_line("") == ""

@@ -79,18 +79,31 @@ class FakeServer:
         self.events.append("shutdown_connections")
         return 1
 
+    def close_websockets(self, code: int, reason: str) -> int:
+        self.events.append(f"close_websockets {code}")
+        n, self.websockets = self.websockets, 0
+        return n
+
+    websockets = 0
+
+    @property
+    def websocket_count(self) -> int:
+        return self.websockets
+
     @property
     def connection_count(self) -> int:
         if time.monotonic() >= self.busy_until:
             self.worker.stats.inflight = 0
-            return 0
-        return self.connections
+            return self.websockets
+        return self.connections + self.websockets
 
 
-def run_stop(busy_for: float, deadline: float, drain: bool = False) -> tuple[Worker, FakeServer, float]:
+def run_stop(busy_for: float, deadline: float, drain: bool = False,
+             websockets: int = 0) -> tuple[Worker, FakeServer, float]:
     async def main() -> tuple[Worker, FakeServer, float]:
         w = Worker(make_spec(), NullLog())
         server = FakeServer(w, busy_for)
+        server.websockets = websockets
         w.server = server  # type: ignore[assignment]
         w.stats.inflight = 1
         t0 = time.monotonic()
@@ -105,7 +118,7 @@ def run_stop(busy_for: float, deadline: float, drain: bool = False) -> tuple[Wor
 
 def test_stop_waits_for_inflight_then_tells_uvicorn() -> None:
     w, server, took = run_stop(busy_for=0.3, deadline=5)
-    assert server.events == ["stop_accepting", "shutdown_connections"]
+    assert server.events == ["stop_accepting", "shutdown_connections", "close_websockets 1001"]
     assert 0.25 < took < 2
     assert 4 < server.config.timeout_graceful_shutdown <= 5  # what is left of the deadline
 
@@ -114,6 +127,14 @@ def test_stop_gives_up_at_the_deadline() -> None:
     w, server, took = run_stop(busy_for=30, deadline=0.4, drain=True)
     assert 0.35 < took < 2 and w._stop_reason == "drained"
     assert server.config.timeout_graceful_shutdown == 0.05  # uvicorn then cancels what is left
+
+
+def test_websockets_get_the_whole_deadline_then_1001() -> None:
+    """An open websocket keeps the drain going (like a stream) until the deadline; then it is
+    closed with 1001 — not with uvicorn's 1012 when idle connections are shut."""
+    w, server, took = run_stop(busy_for=0.1, deadline=0.8, websockets=1)
+    assert server.events == ["stop_accepting", "shutdown_connections", "close_websockets 1001"]
+    assert took >= 0.7 and server.websockets == 0  # not before the deadline
 
 
 def test_second_request_tightens_deadline_and_stop_beats_drain() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 
+from numaserve.worker import middleware
 from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
 from numaserve.worker.stats import WorkerStats
 
@@ -175,7 +177,7 @@ def test_declared_length_over_limit_is_413_without_calling_the_app() -> None:
         called.append(1)
 
     stats = WorkerStats()
-    conn = Conn()
+    conn = Conn(body(b"x" * 101))
     run(BodyLimitMiddleware(app, 100, 5.0, stats), http_scope([(b"content-length", b"101")]), conn)
     assert not called and conn.status == 413 and (b"connection", b"close") in conn.headers
     assert stats.rejected_body_too_large == 1
@@ -222,16 +224,118 @@ def test_waiting_for_disconnect_after_the_body_is_not_limited() -> None:
     assert conn.status == 200 and conn.sent[-1]["body"] == b"done"
 
 
-def test_refusal_after_response_started_propagates() -> None:
+def test_refusal_after_response_started_ends_the_exchange_without_raising() -> None:
+    """No status can be sent any more: the app sees a disconnect, its later sends are dropped
+    (uvicorn closes the connection when it returns without completing the response)."""
+    seen: list[str] = []
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        while (await receive()).get("more_body"):
-            pass
+        while True:
+            m = await receive()
+            seen.append(m["type"])
+            if m["type"] == "http.disconnect" or not m.get("more_body"):
+                break
+        await send({"type": "http.response.body", "body": b"late"})
 
     conn = Conn(body(b"x" * 80, more=True), body(b"x" * 80))
-    with pytest.raises(Exception, match="413"):
-        run(BodyLimitMiddleware(app, 100, 5.0), http_scope(), conn)
-    assert len(conn.sent) == 1
+    stats = WorkerStats()
+    run(BodyLimitMiddleware(app, 100, 5.0, stats), http_scope(), conn)
+    assert seen == ["http.request", "http.disconnect"]
+    assert len(conn.sent) == 1 and stats.rejected_body_too_large == 1
+
+
+def json_error(conn: Conn) -> dict[str, Any]:
+    headers = dict(conn.headers)
+    assert headers[b"content-type"] == b"application/json"
+    payload = b"".join(m.get("body", b"") for m in conn.sent[1:])
+    assert int(headers[b"content-length"]) == len(payload)
+    return json.loads(payload)["error"]
+
+
+def test_413_and_408_bodies_are_the_documented_json() -> None:
+    conn = Conn()
+    run(BodyLimitMiddleware(echo_app(), 100, 5.0),
+        http_scope([(b"content-length", b"101"), (b"expect", b"100-continue")]), conn)
+    err = json_error(conn)
+    assert err["type"] == "too_large" and err["code"] == 413 and "server.max_body_bytes" in err["message"]
+    conn = Conn(body(b"x", more=True))
+    run(BodyLimitMiddleware(echo_app(), 100, 0.05), http_scope(), conn)
+    err = json_error(conn)
+    assert err["type"] == "read_timeout" and err["code"] == 408 and "server.read_timeout" in err["message"]
+
+
+def test_declared_length_over_limit_reads_and_drops_the_rest_before_closing() -> None:
+    """Lingering read: a client still writing its body must not get RST instead of the 413."""
+    conn = Conn(body(b"x" * 60, more=True), body(b"x" * 60, more=True), body(b"x" * 30))
+    run(BodyLimitMiddleware(echo_app(), 100, 5.0), http_scope([(b"content-length", b"150")]), conn)
+    assert conn.status == 413 and not conn.incoming  # the whole body was read (and dropped)
+    assert conn.sent[1]["more_body"] is True and conn.sent[-1] == {
+        "type": "http.response.body", "body": b"", "more_body": False}
+
+
+def test_client_waiting_for_100_continue_is_answered_without_reading() -> None:
+    conn = Conn(body(b"never sent"))
+    run(BodyLimitMiddleware(echo_app(), 100, 5.0),
+        http_scope([(b"expect", b"100-continue"), (b"content-length", b"1000")]), conn)
+    assert conn.status == 413 and len(conn.incoming) == 1 and len(conn.sent) == 2
+
+
+def test_linger_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(middleware, "LINGER_S", 0.05)
+    conn = Conn()  # the rest of the body never comes
+    run(BodyLimitMiddleware(echo_app(), 100, 5.0), http_scope([(b"content-length", b"101")]), conn)
+    assert conn.status == 413 and conn.sent[-1]["more_body"] is False
+
+
+def framework_like_app(seen: list[str], raise_after: bool) -> Any:
+    """Like FastAPI (answers 400 "error parsing the body") or Starlette (ClientDisconnect)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while True:
+            m = await receive()
+            seen.append(m["type"])
+            if m["type"] == "http.disconnect":
+                if raise_after:
+                    raise RuntimeError("ClientDisconnect")
+                await send({"type": "http.response.start", "status": 400, "headers": []})
+                await send({"type": "http.response.body", "body": b"error parsing the body"})
+                return
+            if not m.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+@pytest.mark.parametrize("raise_after", [False, True])
+def test_app_sees_a_disconnect_and_what_it_does_next_is_dropped(raise_after: bool) -> None:
+    seen: list[str] = []
+    stats = WorkerStats()
+    conn = Conn(body(b"x" * 60, more=True), body(b"x" * 60, more=True), body(b"x" * 10))
+    app = MetricsMiddleware(BodyLimitMiddleware(framework_like_app(seen, raise_after), 100, 5.0, stats), stats)
+    run(app, http_scope(), conn)
+    assert seen == ["http.request", "http.disconnect"]
+    assert conn.status == 413 and [m["type"] for m in conn.sent].count("http.response.start") == 1
+    assert stats.status_classes == {"4xx": 1} and stats.rejected_body_too_large == 1
+
+
+def test_slow_body_app_sees_a_disconnect() -> None:
+    seen: list[str] = []
+    conn = Conn(body(b"x", more=True))
+    run(BodyLimitMiddleware(framework_like_app(seen, True), 100, 0.05), http_scope(), conn)
+    assert seen == ["http.request", "http.disconnect"] and conn.status == 408
+    assert len(conn.sent) == 2 and (b"connection", b"close") in conn.headers
+
+
+def test_app_exceptions_without_a_refusal_propagate() -> None:
+    async def boom(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        raise ValueError("the app's own bug")
+
+    with pytest.raises(ValueError):
+        run(BodyLimitMiddleware(boom, 100, 5.0), http_scope(), Conn(body(b"abc")))
 
 
 def test_lifespan_passes_through_body_limit() -> None:

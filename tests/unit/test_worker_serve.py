@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -93,11 +94,14 @@ def test_build_config_maps_the_spec() -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(**spec_kw: Any) -> AsyncIterator[tuple[WorkerServer, socket.socket, list[int]]]:
+async def serving(app: Any = demo_app, ws: str = "auto",
+                  **spec_kw: Any) -> AsyncIterator[tuple[WorkerServer, socket.socket, list[int]]]:
     lst = listening_socket()
     started: list[int] = []
     spec = make_spec(**spec_kw)
-    server = WorkerServer(build_config(spec, demo_app), on_started=lambda: started.append(1))
+    config = build_config(spec, app)
+    config.ws = ws
+    server = WorkerServer(config, on_started=lambda: started.append(1))
     sock = socket.socket(fileno=os.dup(lst.fileno()))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
@@ -166,6 +170,49 @@ def test_guarded_protocol_header_timeout() -> None:
     asyncio.run(main())
 
 
+def error_of(out: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """(status, lower-cased headers, the JSON error) of one raw HTTP answer."""
+    head, _, body = out.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert headers["content-type"] == "application/json" and int(headers["content-length"]) == len(body)
+    return int(lines[0].split()[1]), headers, json.loads(body)["error"]
+
+
+def test_protocol_errors_use_the_json_error_body() -> None:
+    """431, 408 and uvicorn's own 400: the shape of numaserve.errors_http, connection closed."""
+    async def main() -> None:
+        async with serving(max_header_bytes=4096, read_timeout=0.3, framing=FramingConfig(enabled=False)) \
+                as (server, lst, _):
+            addr = lst.getsockname()
+            status, headers, err = error_of(await exchange(
+                addr, b"GET / HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 20000 + b"\r\n\r\n"))
+            assert (status, err["type"], err["code"]) == (431, "header_too_large", 431)
+            assert "server.max_header_bytes" in err["message"] and headers["connection"] == "close"
+            status, _, err = error_of(await exchange(addr, b"GET / HTTP/1.1\r\nHost: x\r\n"))
+            assert (status, err["type"]) == (408, "read_timeout") and "server.read_timeout" in err["message"]
+            status, _, err = error_of(await exchange(addr, b"GET / HTTP/1.1\r\nHost x\r\n\r\n"))
+            assert (status, err["type"], err["code"]) == (400, "protocol_error", 400)
+
+    asyncio.run(main())
+
+
+def test_connection_limit_503_uses_the_json_error_body() -> None:
+    async def main() -> None:
+        async with serving(max_connections=2, keepalive_timeout=30) as (server, lst, _):
+            addr = lst.getsockname()
+            r, w = await asyncio.open_connection(*addr)  # with the next one, at the limit
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(r.readuntil(b"\r\n\r\nok"), 3)
+            status, headers, err = error_of(await exchange(
+                addr, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"))
+            assert (status, err["type"]) == (503, "overloaded") and "server.max_connections" in err["message"]
+            assert headers["connection"] == "close" and "retry-after" in headers
+            w.close()
+
+    asyncio.run(main())
+
+
 def test_stop_accepting_and_shutdown_connections() -> None:
     async def main() -> None:
         async with serving(keepalive_timeout=30) as (server, lst, _):
@@ -189,5 +236,58 @@ def test_stop_accepting_and_shutdown_connections() -> None:
             assert b"GET /healthz" in conn.recv(1024)
             conn.close()
             w2.close()
+
+    asyncio.run(main())
+
+
+async def ws_echo_app(scope: Any, receive: Any, send: Any) -> None:
+    """Echoes text messages; remembers how the websocket ended."""
+    if scope["type"] == "lifespan":
+        await demo_app(scope, receive, send)
+        return
+    assert scope["type"] == "websocket"
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    while True:
+        m = await receive()
+        if m["type"] == "websocket.disconnect":
+            WS_ENDINGS.append(m["code"])
+            return
+        await send({"type": "websocket.send", "text": "echo " + m["text"]})
+
+
+WS_ENDINGS: list[int] = []
+
+
+@pytest.mark.parametrize("ws", ["websockets-sansio", "wsproto"])
+def test_websockets_outlive_shutdown_connections_and_close_1001(ws: str) -> None:
+    """Drain leaves websockets open (they get the drain deadline); at the deadline they
+    are closed with 1001 and the app sees websocket.disconnect 1001 (uvicorn: 1012 at once)."""
+    if ws == "wsproto":
+        pytest.importorskip("wsproto")
+    import websockets
+    from websockets.asyncio.client import connect
+
+    async def main() -> None:
+        WS_ENDINGS.clear()
+        async with serving(app=ws_echo_app, ws=ws) as (server, lst, _):
+            host, port = lst.getsockname()
+            async with connect(f"ws://{host}:{port}/") as client:
+                await client.send("a")
+                assert await asyncio.wait_for(client.recv(), 3) == "echo a"
+                assert server.websocket_count == 1
+                assert server.shutdown_connections() == 0  # websockets are not "idle connections"
+                await asyncio.sleep(0.2)
+                await client.send("b")
+                assert await asyncio.wait_for(client.recv(), 3) == "echo b"
+                assert server.close_websockets(1001) == 1
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await asyncio.wait_for(client.recv(), 3)
+                assert info.value.rcvd is not None and info.value.rcvd.code == 1001
+            for _ in range(100):
+                if WS_ENDINGS:
+                    break
+                await asyncio.sleep(0.02)
+            assert WS_ENDINGS == [1001]
 
     asyncio.run(main())
