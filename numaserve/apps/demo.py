@@ -1,15 +1,26 @@
 """The embedded demo app: a deterministic, inference-shaped ASGI 3 app (no framework).
 
-Routes:
-- ``POST /v1/completions`` — OpenAI-style text completion.  CPU cost is
-  proportional to ``max_tokens`` x number of prompts: a pure-Python integer
-  mixing loop of ``ROUNDS_PER_TOKEN`` rounds per token, about 0.3 ms per token
-  on the 2-core development VM (CPython 3.11: 0.21–0.38 ms when idle, up to
-  0.48 ms with other load on the shared cores; ``measure_token_cost()``
+It speaks the OpenAI HTTP API, so the official clients and the usual load
+tools work against ``numaserve start`` out of the box:
+
+- ``POST /v1/chat/completions`` and ``POST /v1/completions`` — a text
+  "model" whose CPU cost is per generated token: a pure-Python integer
+  mixing loop of ``ROUNDS_PER_TOKEN`` rounds per token, about 0.3 ms per
+  token on the 2-core development VM (CPython 3.11: 0.21–0.38 ms when idle,
+  up to 0.48 ms with other load on the shared cores; ``measure_token_cost()``
   measures it on any machine).  The text is a function of the prompt only
-  (blake2b seed), so replies can be compared across workers.  The loop yields
-  to the event loop every ``YIELD_EVERY`` tokens so concurrent requests share
-  the worker and heartbeats keep flowing, like a batched inference server.
+  (blake2b seed), so replies can be compared across workers and a longer
+  completion extends a shorter one.  ``stream: true`` answers Server-Sent
+  Events in OpenAI's chunk format, one chunk per token as it is generated,
+  then ``data: [DONE]`` (``stream_options.include_usage``: the usage in a
+  last chunk); otherwise one JSON response.  Also ``n``, ``stop`` (a
+  generated word equal to a stop string ends that choice), a list of prompts
+  (completions), ``max_completion_tokens`` (chat).  Generation is
+  cooperative like a batched inference server: choices advance one token at
+  a time together; a stream yields to the event loop after every token, a
+  plain response every ``YIELD_EVERY`` tokens, so concurrent requests share
+  the worker and heartbeats keep flowing.  A stream whose client left stops
+  generating.
 - ``POST /v1/embeddings`` — OpenAI-style embeddings from a small numpy model
   (hashed bag of words → 8 tanh layers of 1024x1024 → 256-d unit vector;
   32 MiB of float32 weights).  Its cost is sub-linear in the batch size: one
@@ -21,13 +32,14 @@ Routes:
   Deterministic per input (up to float rounding), so it is declared
   cacheable with ``[cache] deterministic_paths = ["/v1/embeddings"]``.
   Needs numpy (503 with a reason when it is missing).
-- ``GET /v1/models`` — OpenAI list shape with the one demo model.
+- ``GET /v1/models`` (and ``/v1/models/{id}``) — OpenAI list shape with the one demo model.
 - ``GET /`` — where am I: slot, node, pid, generation, cpus, mempolicy,
   hostname (from the ``NUMASERVE_*`` variables the supervisor sets).
 - ``GET /healthz`` — 200 ``ok``.
 
-Errors use the OpenAI error shape: bad JSON / parameters 400, unknown path
-404, wrong method 405 with ``Allow``.
+Errors use the OpenAI error shape: bad JSON / parameters 400 (``param``
+names the field), unknown path or model id 404, wrong method 405 with
+``Allow``.  Request and response shapes: ``numaserve.apps.openai_shapes``.
 """
 
 from __future__ import annotations
@@ -38,8 +50,9 @@ import json
 import os
 import socket
 import time
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import Any, Awaitable, Callable, Iterator, MutableMapping
 
+from numaserve.apps import openai_shapes as oa
 from numaserve.cpulist import ListSyntaxError, parse_list
 
 __all__ = [
@@ -49,6 +62,7 @@ __all__ = [
     "MODEL_ID",
     "ROUNDS_PER_TOKEN",
     "app",
+    "chat",
     "complete",
     "generate",
     "measure_token_cost",
@@ -62,7 +76,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 MODEL_ID = "numaserve-demo"
 MAX_TOKENS_LIMIT = 4096
 DEFAULT_MAX_TOKENS = 16
-MAX_PROMPTS = 16
+MAX_PROMPTS = oa.MAX_CHOICES
 MAX_REQUEST_BYTES = 1 << 20
 ROUNDS_PER_TOKEN = 1600
 YIELD_EVERY = 16
@@ -89,16 +103,23 @@ def _mix(state: int, rounds: int) -> int:
     return state
 
 
+def _token_words(seed_text: str, rounds: int = ROUNDS_PER_TOKEN) -> Iterator[str]:
+    """The endless word stream for ``seed_text``; each word costs ``rounds`` of ``_mix``."""
+    state = _seed(seed_text)
+    while True:
+        state = _mix(state, rounds)
+        yield _VOCAB[state % len(_VOCAB)]
+
+
 async def generate(prompt: str, max_tokens: int, rounds: int = ROUNDS_PER_TOKEN) -> str:
     """Deterministic text of ``max_tokens`` words for ``prompt`` (CPU-bound, yields)."""
-    state = _seed(prompt)
-    words: list[str] = []
+    words = _token_words(prompt, rounds)
+    out: list[str] = []
     for i in range(max_tokens):
-        state = _mix(state, rounds)
-        words.append(_VOCAB[state % len(_VOCAB)])
+        out.append(" " + next(words))
         if (i + 1) % YIELD_EVERY == 0:
             await asyncio.sleep(0)
-    return "".join(" " + w for w in words)
+    return "".join(out)
 
 
 def measure_token_cost(tokens: int = 200, rounds: int = ROUNDS_PER_TOKEN) -> float:
@@ -115,58 +136,96 @@ def _count_tokens(text: str) -> int:
     return len(text.split())
 
 
-class _BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+class _Choice:
+    """One choice being generated: its word stream, text so far, how it ended."""
+
+    __slots__ = ("finish", "pieces", "words")
+
+    def __init__(self, seed_text: str) -> None:
+        self.words = _token_words(seed_text)
+        self.pieces: list[str] = []
+        self.finish: str | None = None
 
 
-_completion_counter = 0
+OnToken = Callable[[int, str], Awaitable[None]]
 
 
-async def complete(body: dict[str, Any]) -> dict[str, Any]:
-    """The ``/v1/completions`` reply for a decoded JSON body (raises _BadRequest)."""
-    global _completion_counter
-    if not isinstance(body, dict):
-        raise _BadRequest("request body must be a JSON object")
-    model = body.get("model", MODEL_ID)
-    if not isinstance(model, str) or not model:
-        raise _BadRequest("model must be a non-empty string", "model")
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise _BadRequest(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        prompts = list(prompt)
-    else:
-        raise _BadRequest("prompt must be a string or a non-empty list of strings", "prompt")
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
-            or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise _BadRequest(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}", "max_tokens")
-    if body.get("stream"):
-        raise _BadRequest("stream is not supported by the demo app", "stream")
-    choices = []
-    for index, p in enumerate(prompts):
-        text = await generate(p, max_tokens)
-        choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": "length"})
-    prompt_tokens = sum(_count_tokens(p) for p in prompts)
-    completion_tokens = max_tokens * len(prompts)
-    _completion_counter += 1
-    return {
-        "id": f"cmpl-{os.getpid()}-{_completion_counter}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+async def _decode(req: oa.TextRequest, on_token: OnToken | None = None,
+                  gone: asyncio.Event | None = None) -> list[_Choice]:
+    """Generate every choice of ``req``, one token of each per step.
+
+    Choice ``j`` of a prompt continues ``prompt`` (j = 0, the same text as
+    n = 1) or ``prompt + NUL + j``.  ``on_token(index, piece)`` streams each
+    token as it is made, and then the loop yields after every step; without
+    it, every ``YIELD_EVERY`` steps.  ``gone`` set (the client left) stops
+    the generation.
+    """
+    choices = [_Choice(p if j == 0 else f"{p}\x00{j}") for p in req.prompts for j in range(req.n)]
+    lead = "" if req.kind == "chat" else " "  # chat content starts with the first word
+    stop = set(req.stop)
+    for step in range(req.max_tokens):
+        live = False
+        for index, c in enumerate(choices):
+            if c.finish is not None:
+                continue
+            word = next(c.words)
+            if word in stop:
+                c.finish = "stop"
+                continue
+            piece = (" " if c.pieces else lead) + word
+            c.pieces.append(piece)
+            live = True
+            if on_token is not None:
+                await on_token(index, piece)
+        if not live or (gone is not None and gone.is_set()):
+            break
+        if on_token is not None or (step + 1) % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+    for c in choices:
+        if c.finish is None:
+            c.finish = "length"
+    return choices
+
+
+_counter = 0
+
+
+def _response_id(kind: str) -> str:
+    global _counter
+    _counter += 1
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{os.getpid()}-{_counter}"
+
+
+def _limits() -> dict[str, Any]:
+    return {"default_model": MODEL_ID, "default_max_tokens": DEFAULT_MAX_TOKENS,
+            "max_tokens_limit": MAX_TOKENS_LIMIT}
+
+
+async def _reply(req: oa.TextRequest) -> dict[str, Any]:
+    choices = await _decode(req)
+    texts = ["".join(c.pieces) for c in choices]
+    finish = [c.finish or "length" for c in choices]
+    tokens = sum(len(c.pieces) for c in choices)
+    build = oa.chat_response if req.kind == "chat" else oa.completion_response
+    return build(req, _response_id(req.kind), int(time.time()), texts, finish, tokens)
+
+
+async def complete(body: Any) -> dict[str, Any]:
+    """The non-streamed ``/v1/completions`` reply for a decoded JSON body (raises BadRequest)."""
+    req = oa.parse_completion(body, **_limits())
+    return await _reply(req if not req.stream else _unstreamed(req))
+
+
+async def chat(body: Any) -> dict[str, Any]:
+    """The non-streamed ``/v1/chat/completions`` reply for a decoded JSON body (raises BadRequest)."""
+    req = oa.parse_chat(body, **_limits())
+    return await _reply(req if not req.stream else _unstreamed(req))
+
+
+def _unstreamed(req: oa.TextRequest) -> oa.TextRequest:
+    from dataclasses import replace
+
+    return replace(req, stream=False, include_usage=False)
 
 
 def _env_int(name: str) -> int | None:
@@ -198,9 +257,12 @@ def whoami() -> dict[str, Any]:
     }
 
 
+def _model() -> dict[str, Any]:
+    return {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "numaserve"}
+
+
 def _models() -> dict[str, Any]:
-    return {"object": "list",
-            "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "numaserve"}]}
+    return {"object": "list", "data": [_model()]}
 
 
 # --- ASGI plumbing ---------------------------------------------------------------
@@ -215,8 +277,7 @@ async def _send_json(send: Send, status: int, obj: Any,
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _error(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+_error = oa.error
 
 
 class _Disconnected(Exception):
@@ -247,8 +308,10 @@ _ROUTES: dict[str, tuple[str, ...]] = {
     "/healthz": ("GET", "HEAD"),
     "/v1/models": ("GET", "HEAD"),
     "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
     "/v1/embeddings": ("POST",),
 }
+_MODEL_PREFIX = "/v1/models/"
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -272,6 +335,14 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     path = scope["path"]
     method = scope["method"]
     allowed = _ROUTES.get(path)
+    if allowed is None and path.startswith(_MODEL_PREFIX) and method in ("GET", "HEAD"):
+        model = path[len(_MODEL_PREFIX):]
+        if model == MODEL_ID:
+            await _send_json(send, 200, _model())
+        else:
+            await _send_json(send, 404, _error(f"The model '{model}' does not exist", "invalid_request_error",
+                                               "model", "model_not_found"))
+        return
     if allowed is None:
         await _send_json(send, 404, _error(f"no route for {path}", "not_found_error"))
         return
@@ -292,7 +363,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     elif path == "/v1/embeddings":
         await _embeddings(receive, send)
     else:
-        await _completions(receive, send)
+        await _text(path == "/v1/chat/completions", receive, send)
 
 
 _NO_BODY = object()
@@ -315,16 +386,64 @@ async def _read_json(receive: Receive, send: Send) -> Any:
         return _NO_BODY
 
 
-async def _completions(receive: Receive, send: Send) -> None:
+async def _text(is_chat: bool, receive: Receive, send: Send) -> None:
+    """``/v1/chat/completions`` and ``/v1/completions``: one JSON reply or an SSE stream."""
     body = await _read_json(receive, send)
     if body is _NO_BODY:
         return
     try:
-        reply = await complete(body)
-    except _BadRequest as e:
+        req = (oa.parse_chat if is_chat else oa.parse_completion)(body, **_limits())
+    except oa.BadRequest as e:
         await _send_json(send, 400, _error(e.message, "invalid_request_error", e.param))
         return
-    await _send_json(send, 200, reply)
+    if not req.stream:
+        await _send_json(send, 200, await _reply(req))
+        return
+    gone = asyncio.Event()
+    watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+    try:
+        await _stream(req, send, gone)
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """The body is read: the next message is ``http.disconnect`` when the client leaves."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+async def _stream(req: oa.TextRequest, send: Send, gone: asyncio.Event) -> None:
+    """SSE in OpenAI's chunk format: a chunk per token, finish chunks, usage if asked, [DONE]."""
+    rid, created = _response_id(req.kind), int(time.time())
+    chat = req.kind == "chat"
+
+    async def event(obj: Any) -> None:
+        await send({"type": "http.response.body", "body": oa.sse(obj), "more_body": True})
+
+    async def on_token(index: int, piece: str) -> None:
+        if not gone.is_set():
+            await event(oa.chat_chunk(req, rid, created, index, {"content": piece}, None) if chat
+                        else oa.completion_chunk(req, rid, created, index, piece, None))
+
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    if chat:  # the first chunk of each choice names the role
+        for index in range(req.choices):
+            await event(oa.chat_chunk(req, rid, created, index, {"role": "assistant", "content": ""}, None))
+    choices = await _decode(req, on_token, gone)
+    if gone.is_set():
+        return  # nobody to finish for: uvicorn ends the exchange
+    for index, c in enumerate(choices):
+        await event(oa.chat_chunk(req, rid, created, index, {}, c.finish) if chat
+                    else oa.completion_chunk(req, rid, created, index, "", c.finish))
+    if req.include_usage:
+        await event(oa.usage_chunk(req, rid, created, sum(len(c.pieces) for c in choices)))
+    await send({"type": "http.response.body", "body": oa.SSE_DONE, "more_body": False})
 
 
 # --- embeddings: a batched numpy model -------------------------------------------------
@@ -414,7 +533,7 @@ async def _embeddings(receive: Receive, send: Send) -> None:
                                            "invalid_request_error", "encoding_format"))
         return
     try:
-        import numpy  # noqa: F401
+        import numpy
     except ImportError:
         await _send_json(send, 503, _error("the embeddings model needs numpy (pip install numpy)", "server_error"))
         return

@@ -214,7 +214,7 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except Exception as e:  # noqa: BLE001 - only swallowed when it follows our refusal
+        except Exception as e:
             if not refused:
                 raise
             logger.debug("app raised after the edge answered %d: %s", refused, describe_exception(e))

@@ -35,8 +35,8 @@ __all__ = [
     "build_config",
     "close_websocket",
     "connection_limit_503",
-    "is_websocket",
     "guarded_httptools_protocol",
+    "is_websocket",
     "loop_factory",
     "open_listener",
 ]
@@ -222,7 +222,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> 
 def _http_protocol(spec: WorkerSpec) -> Any:
     if spec.http in ("auto", "httptools"):
         try:
-            import httptools  # noqa: F401
+            import httptools
         except ImportError:
             if spec.http == "httptools":
                 raise

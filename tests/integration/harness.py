@@ -46,7 +46,7 @@ class Running:
     """One supervisor started by a test; always cleaned up (no stray workers)."""
 
     def __init__(self, args: list[str], *, config: str = FAST_CONFIG, env: dict[str, str] | None = None,
-                 expect_ready: bool = True, timeout: float = 60.0) -> None:
+                 expect_ready: bool = True, timeout: float = 60.0, tty_stderr: bool = False) -> None:
         self.rt = Path(tempfile.mkdtemp(prefix="ns-rt-"))
         self.logdir = Path(tempfile.mkdtemp(prefix="ns-log-"))
         self.config = self.logdir / "numaserve.toml"
@@ -59,8 +59,20 @@ class Running:
         e["PYTHONPATH"] = os.pathsep.join([str(APPS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         e.update(env or {})
         self.argv = numaserve_argv("start", "--config", str(self.config), "--runtime-dir", str(self.rt), *args)
-        self.proc = subprocess.Popen(self.argv, stdout=self.stdout, stderr=self.stderr, env=e,
+        err: Any = self.stderr
+        self._pty_copier = None
+        if tty_stderr:  # stderr on a terminal, as for an operator; what it shows goes to the file
+            import pty
+            import threading
+
+            master, slave = pty.openpty()
+            err = slave
+            self._pty_copier = threading.Thread(target=_copy_pty, args=(master, self.stderr), daemon=True)
+        self.proc = subprocess.Popen(self.argv, stdout=self.stdout, stderr=err, env=e,
                                      stdin=subprocess.DEVNULL, cwd=str(REPO))
+        if tty_stderr:
+            os.close(slave)
+            self._pty_copier.start()
         self.port: int | None = None
         if expect_ready:
             self.wait_ready(timeout)
@@ -145,6 +157,8 @@ class Running:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            if self._pty_copier is not None:
+                self._pty_copier.join(5)
             self.stdout.close()
             self.stderr.close()
             shutil.rmtree(self.rt, ignore_errors=True)
@@ -155,6 +169,22 @@ class Running:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copy_pty(master: int, out: Any) -> None:
+    """Copy a pty's output to ``out`` until every writer has closed it (EIO)."""
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            out.write(data)
+            out.flush()
+    finally:
+        os.close(master)
 
 
 def http_get(port: int, path: str = "/", *, timeout: float = 10.0, host: str = "127.0.0.1") -> tuple[int, bytes]:

@@ -124,7 +124,7 @@ def test_chunked_body_is_assembled() -> None:
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("max_tokens", [0, -1, MAX_TOKENS_LIMIT + 1, "8", 1.5, True, None])
+@pytest.mark.parametrize("max_tokens", [0, -1, MAX_TOKENS_LIMIT + 1, "8", 1.5, True])
 def test_max_tokens_out_of_range_is_400(max_tokens: Any) -> None:
     status, data = post_json({"prompt": "x", "max_tokens": max_tokens})
     assert status == 400
@@ -133,7 +133,10 @@ def test_max_tokens_out_of_range_is_400(max_tokens: Any) -> None:
 
 @pytest.mark.parametrize("body", [{"prompt": 5}, {"prompt": []}, {"prompt": ["a", 1]},
                                   {"prompt": ["x"] * 17}, [1, 2], {"model": ""},
-                                  {"prompt": "x", "stream": True}])
+                                  {"prompt": "x", "stream": "yes"},
+                                  {"prompt": "x", "stream_options": {"include_usage": True}},
+                                  {"prompt": "x", "n": 0}, {"prompt": ["a", "b"], "n": 9},
+                                  {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, {"prompt": "x", "stop": 5}])
 def test_bad_parameters_are_400(body: Any) -> None:
     status, data = post_json(body)
     assert status == 400 and set(data["error"]) == {"message", "type", "param", "code"}
@@ -227,3 +230,140 @@ def test_lifespan_startup_and_shutdown() -> None:
 
     asyncio.run(app({"type": "lifespan"}, receive, send))
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+# --- OpenAI chat completions and streaming -------------------------------------------------
+
+
+def post(path: str, obj: Any) -> tuple[int, dict[bytes, bytes], bytes]:
+    return call("POST", path, json.dumps(obj).encode())
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """The data of each Server-Sent Event; "[DONE]" stays a string."""
+    assert body.endswith(b"\n\n")
+    out = []
+    for block in body.decode().split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+CHAT = {"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": [{"type": "text", "text": "hello there"}]}]}
+
+
+def test_chat_completion_shape_and_usage() -> None:
+    status, _, body = post("/v1/chat/completions", {**CHAT, "max_tokens": 6})
+    data = json.loads(body)
+    assert status == 200 and data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
+    (choice,) = data["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    content = choice["message"]["content"]
+    assert len(content.split()) == 6 and not content.startswith(" ")
+    assert data["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    # max_completion_tokens wins over max_tokens, as in the OpenAI API
+    data = json.loads(post("/v1/chat/completions", {**CHAT, "max_tokens": 6, "max_completion_tokens": 3})[2])
+    assert data["usage"]["completion_tokens"] == 3 and data["choices"][0]["message"]["content"] == " ".join(
+        content.split()[:3])
+
+
+def test_chat_stream_is_openai_chunks_then_done() -> None:
+    status, headers, body = post("/v1/chat/completions", {**CHAT, "max_tokens": 8, "stream": True})
+    assert status == 200 and headers[b"content-type"].startswith(b"text/event-stream")
+    events = sse_events(body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    pieces = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    assert len(pieces) == 8  # one chunk per token
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    plain = json.loads(post("/v1/chat/completions", {**CHAT, "max_tokens": 8})[2])
+    assert "".join(pieces) == plain["choices"][0]["message"]["content"]
+
+
+def test_stream_usage_in_the_last_chunk_when_asked() -> None:
+    _, _, body = post("/v1/completions", {"prompt": "a b c", "max_tokens": 4, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+    chunks = sse_events(body)[:-1]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert text == post_json({"prompt": "a b c", "max_tokens": 4})[1]["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_choices_and_stop_words() -> None:
+    one = post_json({"prompt": "seed", "max_tokens": 30})[1]["choices"][0]["text"]
+    status, data = post_json({"prompt": "seed", "max_tokens": 30, "n": 3})
+    assert status == 200 and [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert data["choices"][0]["text"] == one and data["choices"][1]["text"] != one
+    assert data["usage"]["completion_tokens"] == 90
+    words = one.split()
+    stop_word = words[5]
+    first = words.index(stop_word)
+    data = post_json({"prompt": "seed", "max_tokens": 30, "stop": [stop_word]})[1]
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"].split() == words[:first]
+    assert data["usage"]["completion_tokens"] == first
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "n": 17}, "n"),
+])
+def test_bad_chat_requests_are_400_naming_the_param(body: Any, param: str) -> None:
+    status, _, raw = post("/v1/chat/completions", body)
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_model_by_id() -> None:
+    status, _, body = call("GET", f"/v1/models/{MODEL_ID}")
+    assert status == 200 and json.loads(body)["id"] == MODEL_ID
+    status, _, body = call("GET", "/v1/models/gpt-17")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def test_stream_stops_generating_when_the_client_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    real = demo._mix
+
+    def counting(state: int, rounds: int) -> int:
+        nonlocal calls
+        calls += 1
+        return real(state, rounds)
+
+    monkeypatch.setattr(demo, "_mix", counting)
+    sent: list[Any] = []
+    raw = json.dumps({"prompt": "x", "max_tokens": 4000, "stream": True}).encode()
+
+    async def main() -> None:
+        body_given = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            while len(sent) < 20:  # the client reads a few tokens, then goes away
+                await asyncio.sleep(0)
+            return {"type": "http.disconnect"}
+
+        async def send(m: Any) -> None:
+            sent.append(m)
+
+        await app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send)
+
+    asyncio.run(main())
+    assert 20 <= calls < 100 and sent[-1].get("more_body") is True  # stopped, no [DONE] for nobody

@@ -10,7 +10,12 @@ from typing import Any, Iterator
 import pytest
 
 from numaserve.apps import demo
-from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
+from numaserve.worker.appload import (
+    AppLoadError,
+    describe_exception,
+    failure_line,
+    load_app,
+)
 
 APP_SOURCE = textwrap.dedent('''
     class Holder:
@@ -105,14 +110,14 @@ def formatted(fn: Any) -> str:
 
     try:
         fn()
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         return traceback.format_exc()
     raise AssertionError("did not raise")
 
 
 def test_failure_line_takes_the_exception_out_of_a_traceback() -> None:
     def missing_file() -> None:
-        open("/nonexistent/model.bin")  # noqa: SIM115
+        open("/nonexistent/model.bin")
 
     text = formatted(missing_file)
     assert text.startswith("Traceback (most recent call last):")

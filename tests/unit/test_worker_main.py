@@ -132,7 +132,7 @@ def test_stop_gives_up_at_the_deadline() -> None:
 def test_websockets_get_the_whole_deadline_then_1001() -> None:
     """An open websocket keeps the drain going (like a stream) until the deadline; then it is
     closed with 1001 — not with uvicorn's 1012 when idle connections are shut."""
-    w, server, took = run_stop(busy_for=0.1, deadline=0.8, websockets=1)
+    _, server, took = run_stop(busy_for=0.1, deadline=0.8, websockets=1)
     assert server.events == ["stop_accepting", "shutdown_connections", "close_websockets 1001"]
     assert took >= 0.7 and server.websockets == 0  # not before the deadline
 

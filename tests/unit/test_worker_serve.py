@@ -183,7 +183,7 @@ def test_protocol_errors_use_the_json_error_body() -> None:
     """431, 408 and uvicorn's own 400: the shape of numaserve.errors_http, connection closed."""
     async def main() -> None:
         async with serving(max_header_bytes=4096, read_timeout=0.3, framing=FramingConfig(enabled=False)) \
-                as (server, lst, _):
+                as (_server, lst, _):
             addr = lst.getsockname()
             status, headers, err = error_of(await exchange(
                 addr, b"GET / HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 20000 + b"\r\n\r\n"))
@@ -199,7 +199,7 @@ def test_protocol_errors_use_the_json_error_body() -> None:
 
 def test_connection_limit_503_uses_the_json_error_body() -> None:
     async def main() -> None:
-        async with serving(max_connections=2, keepalive_timeout=30) as (server, lst, _):
+        async with serving(max_connections=2, keepalive_timeout=30) as (_server, lst, _):
             addr = lst.getsockname()
             r, w = await asyncio.open_connection(*addr)  # with the next one, at the limit
             w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
