@@ -481,6 +481,8 @@ class TopView:
     @property
     def warming_up(self) -> bool:
         """No rate is known yet for a serving slot (the first snapshot only gives counts)."""
+        if not self.prev:
+            return True  # no snapshot yet
         return any(s["slot"] not in self.rates and s.get("pid") for s in self.data.get("slots", []))
 
     def lines(self, width: int) -> list[str]:

@@ -76,6 +76,7 @@ def top_snapshot(ts: float, requests: int) -> dict[str, Any]:
 
 def test_top_warms_up_until_a_rate_is_known_then_fits_80_columns() -> None:
     view = TopView()
+    assert "warming up" in view.lines(80)[0]  # before the first snapshot
     view.update(top_snapshot(100.0, 10))
     first = view.lines(80)
     assert "warming up" in first[0] and view.warming_up

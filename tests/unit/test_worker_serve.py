@@ -263,8 +263,6 @@ WS_ENDINGS: list[int] = []
 def test_websockets_outlive_shutdown_connections_and_close_1001(ws: str) -> None:
     """Drain leaves websockets open (they get the drain deadline); at the deadline they
     are closed with 1001 and the app sees websocket.disconnect 1001 (uvicorn: 1012 at once)."""
-    if ws == "wsproto":
-        pytest.importorskip("wsproto")
     import websockets
     from websockets.asyncio.client import connect
 
