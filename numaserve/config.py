@@ -218,7 +218,8 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         if v < 0:
             raise bad(section, key, v, ("an integer" if isinstance(v, int) else "a number") + " >= 0")
     if cfg.framing.max_frame_bytes > MAX_FRAME_LIMIT:
-        raise bad("framing", "max_frame_bytes", cfg.framing.max_frame_bytes, f"at most {MAX_FRAME_LIMIT} ({MAX_FRAME_LIMIT >> 20} MiB)")
+        raise bad("framing", "max_frame_bytes", cfg.framing.max_frame_bytes,
+                  f"at most {MAX_FRAME_LIMIT} ({MAX_FRAME_LIMIT >> 20} MiB)")
     for p in cfg.cache.deterministic_paths:
         if not p.startswith("/"):
             raise bad("cache", "deterministic_paths", p, "paths starting with / (a trailing * matches a prefix)")

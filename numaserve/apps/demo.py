@@ -45,6 +45,7 @@ names the field), unknown path or model id 404, wrong method 405 with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -223,9 +224,7 @@ async def chat(body: Any) -> dict[str, Any]:
 
 
 def _unstreamed(req: oa.TextRequest) -> oa.TextRequest:
-    from dataclasses import replace
-
-    return replace(req, stream=False, include_usage=False)
+    return dataclasses.replace(req, stream=False, include_usage=False)
 
 
 def _env_int(name: str) -> int | None:
