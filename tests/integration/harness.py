@@ -56,8 +56,8 @@ class Running:
         self.stderr = open(self.stderr_path, "wb")
         e = dict(os.environ)
         e.pop("NUMASERVE_CONFIG", None)
+        e.update(env or {})  # a test's env (often a copy of os.environ) must not drop the test apps
         e["PYTHONPATH"] = os.pathsep.join([str(APPS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        e.update(env or {})
         self.argv = numaserve_argv("start", "--config", str(self.config), "--runtime-dir", str(self.rt), *args)
         err: Any = self.stderr
         self._pty_copier = None
