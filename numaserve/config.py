@@ -60,6 +60,7 @@ class ServerConfig(_Section):
     http: Literal["auto", "httptools", "h11"] = "auto"
     loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     graceful_timeout: float = 30.0
+    lb_grace: float = 5.0
     keepalive_timeout: float = 5.0
     max_header_bytes: int = 65536
     max_body_bytes: int = 16 * 1024 * 1024
@@ -171,7 +172,7 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     ("framing", "idle_timeout"), ("cache", "ttl"), ("allocator", "malloc_arena_max"),
-    ("server", "graceful_timeout"), ("server", "keepalive_timeout"), ("server", "max_connections"),
+    ("server", "graceful_timeout"), ("server", "lb_grace"), ("server", "keepalive_timeout"), ("server", "max_connections"),
     ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
 }

@@ -11,8 +11,10 @@ prober should see.
   heartbeat, not "the HTTP server answers": the server runs as another task
   and keeps answering when the main loop coroutine is stuck on an await.
 * ``/readyz`` — 200 when every non-drained slot is ready; 503 with the
-  unready slots as JSON otherwise (and while stopping, so a load balancer
-  takes the instance out before its workers drain).
+  unready slots as JSON otherwise (and from the first moment of a stop, so a
+  load balancer takes the instance out during ``server.lb_grace``, before its
+  workers drain).  Each request is noted (``sup.readyz_probes``): the grace
+  is only spent when something watches readiness.
 * ``/metrics`` — Prometheus text from a registry holding only our collector.
 """
 
@@ -131,7 +133,11 @@ def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: flo
                                **body})
         return _json(200, {"status": "ok", **body})
 
+    probes = getattr(sup, "readyz_probes", None)  # lbgrace.ProbeClock: is a balancer watching?
+
     def readyz() -> tuple[int, bytes, bytes]:
+        if probes is not None:
+            probes.seen()
         if getattr(sup, "stopping", False):
             return _json(503, {"status": "not ready", "reason": "stopping", "unready": []})
         try:

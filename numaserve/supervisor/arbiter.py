@@ -7,8 +7,10 @@ Shape (gunicorn's arbiter, nginx's master that owns the listeners):
     loop:   every tick (≤ 0.2 s, woken early by SIGCHLD and messages):
             reap exits → restart due slots → watchdog (hangs, boot timeouts,
             kill escalation) → verify bindings → readiness
-    stop:   Stop to every worker (graceful) → wait → SIGKILL what remains
-            → close listeners → release the runtime dir
+    stop:   readiness off (/readyz 503) → server.lb_grace while balancers
+            notice → accept queues taken → Stop to every worker (graceful)
+            → wait → SIGKILL what remains → close listeners → release the
+            runtime dir
 
 Signal handlers only set flags (run in the event loop via add_signal_handler).
 """
@@ -45,6 +47,7 @@ from numaserve.supervisor import slots as S
 from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_socket, start_admin
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.lbgrace import ProbeClock, decide_lb_grace
 from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier
@@ -67,6 +70,9 @@ LAUNCH_EXIT_NOT_FOUND = 127
 
 TICK = 0.2
 MAX_OPS_BYTES = 64 * 1024
+#: After lb_grace, how long the workers may take to accept what is queued before
+#: they are told to stop (a connection left in a listener at close is reset).
+ACCEPT_SETTLE_MAX_S = 5.0
 
 
 def describe_exit(code: int | None) -> str:
@@ -131,6 +137,10 @@ class Supervisor:
         self.started = time.monotonic()
         self.state = "starting"
         self.stopping = False
+        self.stop_phase: str | None = None        # lb_grace -> accept_queue -> draining
+        self.lb_grace_until: float | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+        self.readyz_probes = ProbeClock()         # the admin app notes every /readyz
         self.stop_deadline: float | None = None
         self.fast_stop = False
         self.forced_kills = False
@@ -318,8 +328,8 @@ class Supervisor:
                 else:
                     self._restart_due(now)
                     self._check_boot_failure()
-                    if self.fatal:
-                        self._begin_stop("fatal: " + self.fatal, fast=False)
+                    if self.fatal:  # nothing is serving: no balancer to wait for
+                        self._begin_stop("fatal: " + self.fatal, fast=False, lb_grace=False)
                         continue
                     self._readiness(now)
                 self._watchdog(now)
@@ -337,7 +347,7 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         finally:
-            for t in self._tasks:
+            for t in self._tasks + ([self._stop_task] if self._stop_task else []):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             if self.admin is not None:
@@ -349,6 +359,9 @@ class Supervisor:
         return EXIT_FORCED if self.forced_kills else EXIT_OK
 
     def close(self) -> None:
+        queued = sum(accept_queue_depth(lst.sock) or 0 for ls in self.listeners.by_slot.values() for lst in ls)
+        if queued:  # closing a listener resets what waits in it: say so
+            log.warning("listeners_closed_with_queued_connections", connections=queued)
         for slot in self.slots.values():
             for w in slot.workers():
                 if w.popen.poll() is None:
@@ -837,7 +850,10 @@ class Supervisor:
         self._begin_stop(reason, fast=fast)
         self.wake.set()
 
-    def _begin_stop(self, reason: str, *, fast: bool) -> None:
+    def _begin_stop(self, reason: str, *, fast: bool, lb_grace: bool = True) -> None:
+        """Readiness goes off now (``stopping``: /readyz 503); the workers keep
+        serving through the lb grace, then take what is queued, then drain.
+        ``fast`` kills every worker (a second signal, ``stop --fast``)."""
         now = time.monotonic()
         first = not self.stopping
         self.stopping = True
@@ -847,6 +863,8 @@ class Supervisor:
             self.notifier.stopping(f"stopping: {reason}")
         if fast:
             self.fast_stop = True
+            if self._stop_task is not None:
+                self._stop_task.cancel()
             for slot in self.slots.values():
                 for w in slot.workers():
                     if w.popen.poll() is None and w.kill_sent is None:
@@ -854,12 +872,48 @@ class Supervisor:
                         self.forced_kills = True
             return
         if first:
-            for slot in self.slots.values():
-                if slot.worker is not None:
-                    slot.state = S.STOPPING
-                for w in slot.workers():
-                    if w.stop_sent is None:
-                        self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
+            grace = decide_lb_grace(self.cfg.server.lb_grace if lb_grace else 0.0, self.readyz_probes.age())
+            log.info("lb_grace", seconds=grace.seconds, reason=grace.reason)
+            self._stop_task = asyncio.get_running_loop().create_task(self._stop_after_grace(grace.seconds),
+                                                                     name="stop")
+
+    async def _stop_after_grace(self, grace: float) -> None:
+        try:
+            if grace > 0:
+                self.stop_phase = "lb_grace"
+                self.lb_grace_until = time.monotonic() + grace
+                await asyncio.sleep(grace)
+            # Workers still accept: let them take what the balancer sent before it
+            # noticed (steering is frozen from here on, so no slot is left out).
+            self.stop_phase = "accept_queue"
+            settle = min(ACCEPT_SETTLE_MAX_S, max(0.2, self.cfg.server.graceful_timeout / 4))
+            end = time.monotonic() + settle
+            while (queued := self._queued_on_serving_slots()) and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            if queued:
+                log.warning("accept_queue_not_empty", connections=queued, waited_s=settle)
+        except Exception as e:  # never let a stop hang on its preamble
+            log.error("stop_preamble_failed", error=repr(e))
+        self.stop_phase = "draining"
+        now = time.monotonic()
+        for slot in self.slots.values():
+            if slot.worker is not None:
+                slot.state = S.STOPPING
+            for w in slot.workers():
+                if w.stop_sent is None and w.kill_sent is None:
+                    self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
+        # Each worker closes its copy of its listener as it stops accepting; with
+        # ours closed too the socket goes away then, and the kernel refuses new
+        # connections (a balancer without health checks retries a refused
+        # connect safely) instead of queueing them until the final close resets them.
+        self.listeners.close()
+        self.wake.set()
+
+    def _queued_on_serving_slots(self) -> int:
+        """Connections waiting in the listeners of slots whose worker can still take them."""
+        return sum(accept_queue_depth(lst.sock) or 0
+                   for slot in self.slots.values() if slot.worker is not None and slot.worker.popen.poll() is None
+                   for lst in self.listeners.by_slot.get(slot.plan.slot, []))
 
     def _send_stop_to(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
         """Ask one worker to finish in-flight work within ``deadline`` s and exit.
@@ -902,7 +956,8 @@ class Supervisor:
         return out
 
     def _steer(self) -> None:
-        if self.steering is not None and not self.stopping:
+        # during the lb grace the slots still serve: keep steering off dead ones
+        if self.steering is not None and (not self.stopping or self.stop_phase == "lb_grace"):
             self.steering.update(self.healthy_slots())
 
     # ----------------------------------------------------------------- reload
@@ -1050,6 +1105,9 @@ class Supervisor:
             "supervisor": {
                 "pid": os.getpid(),
                 "state": self.state,
+                "stop_phase": self.stop_phase,
+                "lb_grace_left_s": (round(max(0.0, self.lb_grace_until - now), 3)
+                                    if self.stop_phase == "lb_grace" and self.lb_grace_until else None),
                 "uptime_s": round(now - self.started, 3),
                 "runtime_dir": str(self.runtime.path),
                 "config_file": self.config_path,
