@@ -283,7 +283,7 @@ class FleetLoad:
         with self._lock:
             self.report.ok[kind] += 1
             try:
-                self.report.answered_by[json.loads(body)["instance"].split(".")[0]] += 1
+                self.report.answered_by[json.loads(body)["instance"]] += 1   # "name.generation"
             except (ValueError, KeyError, TypeError):
                 pass
 
