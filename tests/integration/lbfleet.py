@@ -25,7 +25,15 @@ from typing import Any, Callable
 from tests.integration.harness import FAST_CONFIG, REPO, Running, free_port
 
 HAPROXY_CFG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
-HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
+NGINX_CONF = REPO / "deploy" / "nginx" / "numaserve.conf"
+
+
+def _sbin(name: str) -> str | None:
+    return shutil.which(name) or (f"/usr/sbin/{name}" if os.path.exists(f"/usr/sbin/{name}") else None)
+
+
+HAPROXY = _sbin("haproxy")
+NGINX = _sbin("nginx")
 
 # ------------------------------------------------------------------ numaserve
 
@@ -209,6 +217,83 @@ class HAProxy:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------- nginx
+
+
+def render_nginx(src: str, *, listen_port: int, servers: list[int]) -> str:
+    """The shipped nginx example with its ``listen`` on loopback and the
+    example upstream ``server`` lines replaced (their parameters kept)."""
+    out: list[str] = []
+    written = False
+    for line in src.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words[:1] == ["server"] and len(words) > 1 and ":" in words[1]:
+            params = " ".join(words[2:]).rstrip(";")
+            if not written:
+                out += [f"    server 127.0.0.1:{p} {params};" for p in servers]
+                written = True
+            continue
+        if words[:1] == ["listen"]:
+            line = f"    listen 127.0.0.1:{listen_port};"
+        out.append(line)
+    if not written:
+        raise ValueError("no upstream server lines in the nginx config")
+    return "\n".join(out) + "\n"
+
+
+def nginx_main_conf(run_dir: Path, include: Path, *, foreground: bool = True) -> str:
+    """A minimal main nginx.conf (unprivileged paths in ``run_dir``) around the example."""
+    return (f"pid {run_dir}/nginx.pid;\nerror_log {run_dir}/error.log;\n"
+            + ("daemon off;\n" if foreground else "")
+            + "events {}\n"
+            f"http {{\n  access_log off;\n  client_body_temp_path {run_dir}/body;\n  proxy_temp_path {run_dir}/proxy;\n"
+            f"  fastcgi_temp_path {run_dir}/fastcgi;\n  uwsgi_temp_path {run_dir}/uwsgi;\n  scgi_temp_path {run_dir}/scgi;\n"
+            f"  include {include};\n}}\n")
+
+
+class Nginx:
+    """A real nginx in the foreground on loopback, from deploy/nginx/numaserve.conf."""
+
+    def __init__(self, servers: list[int], *, src: Path = NGINX_CONF) -> None:
+        if NGINX is None:
+            raise RuntimeError("nginx is not installed (Debian package nginx-light; scripts/install)")
+        self.dir = Path(tempfile.mkdtemp(prefix="ns-nginx-"))
+        self.port = free_port()
+        (self.dir / "numaserve.conf").write_text(render_nginx(src.read_text(), listen_port=self.port, servers=servers))
+        (self.dir / "nginx.conf").write_text(nginx_main_conf(self.dir, self.dir / "numaserve.conf"))
+        argv = [NGINX, "-p", str(self.dir), "-c", str(self.dir / "nginx.conf")]
+        check = subprocess.run(argv + ["-t"], capture_output=True, text=True, timeout=30)
+        if check.returncode != 0:
+            raise RuntimeError(f"nginx -t failed:\n{check.stderr}")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: self._listening() or self.proc.poll() is not None, 20, "nginx to listen")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"nginx exited rc={self.proc.returncode}:\n{self.error_log()}")
+
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def error_log(self) -> str:
+        try:
+            return (self.dir / "error.log").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful shutdown
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------- load
 
 
@@ -235,7 +320,7 @@ class LoadReport:
     def summary(self) -> str:
         ex = "; ".join(f"{k}: {v[:3]}" for k, v in self.examples.items())
         return (f"ok {dict(self.ok)}; failures {dict(self.failures)} (shed_503 = admission 503 from numaserve, "
-                f"lb_5xx = 502/503/504 from HAProxy, disconnect = connection reset/closed without an answer); "
+                f"lb_5xx = 502/503/504 from the balancer, disconnect = connection reset/closed without an answer); "
                 f"answered by {dict(self.answered_by)}; examples: {ex}")
 
 
