@@ -47,7 +47,7 @@ from numaserve.supervisor import slots as S
 from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_socket, start_admin
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
-from numaserve.supervisor.lbgrace import ProbeClock, decide_lb_grace
+from numaserve.supervisor.lbgrace import GraceDecision, ProbeClock, decide_lb_grace
 from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier
@@ -872,7 +872,8 @@ class Supervisor:
                         self.forced_kills = True
             return
         if first:
-            grace = decide_lb_grace(self.cfg.server.lb_grace if lb_grace else 0.0, self.readyz_probes.age())
+            grace = (decide_lb_grace(self.cfg.server.lb_grace, self.readyz_probes.age()) if lb_grace
+                     else GraceDecision(0.0, "nothing is serving: no balancer to wait for"))
             log.info("lb_grace", seconds=grace.seconds, reason=grace.reason)
             self._stop_task = asyncio.get_running_loop().create_task(self._stop_after_grace(grace.seconds),
                                                                      name="stop")
