@@ -10,7 +10,12 @@ import pytest
 
 from numaserve.config import ConfigError, load_config
 from numaserve.supervisor.admin import LoopHeartbeat, build_app
-from numaserve.supervisor.lbgrace import WATCH_WINDOW_MIN_S, ProbeClock, decide_lb_grace, watch_window
+from numaserve.supervisor.lbgrace import (
+    WATCH_WINDOW_MIN_S,
+    ProbeClock,
+    decide_lb_grace,
+    watch_window,
+)
 
 
 class Clock:
