@@ -97,6 +97,17 @@ def _merge_server(config: str, line: str) -> str:
 # -------------------------------------------------------------------- haproxy
 
 
+def stop_process(proc: subprocess.Popen[bytes], sig: int, grace: float) -> None:
+    """``sig``, up to ``grace`` seconds, then SIGKILL: a balancer we started never outlives its test."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 def render_haproxy(src: str, *, frontend_port: int, servers: list[tuple[str, int, int]], run_dir: Path,
                    retries: bool = True) -> str:
     """The shipped haproxy.cfg with only what a loopback test must change:
@@ -206,13 +217,7 @@ class HAProxy:
                              + self.log_text())
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGUSR1)  # soft stop
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, signal.SIGUSR1, 5)  # soft stop
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -284,13 +289,7 @@ class Nginx:
             return ""
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)  # graceful shutdown
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, signal.SIGQUIT, 10)  # graceful shutdown
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

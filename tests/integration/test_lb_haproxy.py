@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import REPO
-from tests.integration.lbfleet import HAPROXY, FleetLoad, HAProxy, Instance, is_up
+from tests.integration.lbfleet import HAPROXY, FleetLoad, HAProxy, Instance, is_up, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(HAPROXY is None, reason="haproxy not installed (scripts/install)")]
@@ -91,7 +91,10 @@ def test_rolling_restart_behind_haproxy_loses_no_request(tmp_path: Path) -> None
         with FleetLoad(lb.port, keepalive=2, fresh=2, posts=1, streams=1, pace=0.02) as load:
             time.sleep(2.0)
             roll = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-            time.sleep(2.0)                  # traffic on the fully restarted fleet too
+            # traffic on the fully restarted fleet too (slowstart ramps the last one up)
+            wait_until(lambda: all(load.report.answered_by[f"{n}.2"] for n in names), 30,
+                       "every restarted instance to serve")
+            time.sleep(1.0)
         report = load.report
         stats = lb.stats()
     finally:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.integration.lbfleet import NGINX, FleetLoad, Instance, Nginx
+from tests.integration.lbfleet import NGINX, FleetLoad, Instance, Nginx, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NGINX is None, reason="nginx not installed (scripts/install)")]
 
@@ -39,7 +39,11 @@ def test_rolling_restart_behind_nginx_loses_no_request() -> None:
                 inst.close()
                 inst.start()
                 time.sleep(1.0)
-            time.sleep(2.0)
+            # traffic on the fully restarted fleet too: nginx tries a host that
+            # refused a connection again only after fail_timeout (5 s)
+            wait_until(lambda: all(load.report.answered_by[f"{n}.2"] for n in names), 30,
+                       "every restarted instance to serve")
+            time.sleep(1.0)
         report = load.report
     finally:
         if lb is not None:
