@@ -1,5 +1,14 @@
 """Admission control in front of the app: the L0 gate as ASGI middleware.
 
+``CpuAdmissionMiddleware`` (limiter "cpu", the default) finishes what the
+protocol started (``numaserve.worker.shedding``): the protocol admitted the
+request at head-complete and left its permit in the scope; here the permit
+is released when the request ends, a request whose client left while it
+waited is not run, responses say ``Connection: close`` while the worker is
+shedding, and deadlines give 504.  Requests the protocol did not see (frames,
+h11) are decided here, by the same gate.  ``AdmissionMiddleware`` is the
+gate of limiters "gradient" and "static" (in-flight limit + queue).
+
 Each HTTP request asks the gate for a permit before the app sees it (and
 before its body is read, so rejections are cheap).  Rejections are answered
 at once with the fixed error classes: **503** + ``Retry-After`` (overload),
@@ -15,12 +24,14 @@ default; none otherwise.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, Awaitable, Callable
 
-from numaserve.loops.admission import AdmissionGate, AdmissionMachine, AdmissionSettings, Rejected
+from numaserve.errors_http import error_body as _error_body
+from numaserve.errors_http import error_headers
+from numaserve.loops.admission import AdmissionGate, AdmissionMachine, AdmissionSettings, Reject, Rejected
 from numaserve.loops.gradient import GradientController, GradientSettings
+from numaserve.worker.shedding import CONN_KEY, PERMIT_KEY, AdmissionRuntime, runnable_tasks
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -39,7 +50,8 @@ def make_gate(settings: AdmissionSettings, gradient: GradientSettings | None,
 
 
 def error_body(status: int, message: str) -> bytes:
-    return json.dumps({"error": {"type": REASONS.get(status, "error"), "code": status, "message": message}}).encode()
+    """The shared error body (``numaserve.errors_http``)."""
+    return _error_body(status, message)
 
 
 async def send_error(send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -51,6 +63,111 @@ async def send_error(send: Send, status: int, message: str, headers: list[tuple[
                     *(headers or [])],
     })
     await send({"type": "http.response.body", "body": body})
+
+
+_CLOSE = (b"connection", b"close")
+
+
+def _with_close(message: dict[str, Any]) -> dict[str, Any]:
+    headers = list(message.get("headers", ()))
+    if not any(k.lower() == b"connection" for k, _ in headers):
+        headers.append(_CLOSE)
+    return {**message, "headers": headers}
+
+
+class CpuAdmissionMiddleware:
+    """The ASGI half of limiter "cpu" (see the module docstring)."""
+
+    def __init__(self, app: Any, rt: AdmissionRuntime) -> None:
+        self.app = app
+        self.rt = rt
+        self.gate = rt.gate
+        self.default_timeout_s = rt.s.request_timeout_s
+        self.close_when_overloaded = rt.s.close_when_overloaded
+        self.gone_after = rt.s.gone_check_after_s
+        self.rejected: dict[int, int] = {}
+
+    def _deadline(self, scope: Scope, arrived: float) -> float | None:
+        for name, value in scope.get("headers") or ():
+            if name == DEADLINE_HEADER:
+                try:
+                    t = float(value)
+                except ValueError:
+                    break
+                if t > 0:
+                    return arrived + t
+        return arrived + self.default_timeout_s if self.default_timeout_s > 0 else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rt = self.rt
+        gate = self.gate
+        now = rt.clock()
+        permit = scope.pop(PERMIT_KEY, None)
+        conn = scope.pop(CONN_KEY, None)
+        if permit is None:  # not decided at the protocol (frames, h11)
+            d = gate.try_admit(now, deadline=self._deadline(scope, now), runnable=runnable_tasks)
+            if isinstance(d, Reject):
+                self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
+                body = error_body(d.status, f"request not admitted: {d.reason}")
+                await send({"type": "http.response.start", "status": d.status,
+                            "headers": [*error_headers(d.status, body, d.retry_after or 1), _CLOSE]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            permit = d.permit
+            rt.admitted()
+        elif conn is not None and now - permit.enqueued_at > self.gone_after and rt.client_gone(conn):
+            gate.client_gone(now, permit)  # waited so long its client left: do not run it
+            rt.finished()
+            return
+        rt.started(permit, now)
+        deadline = permit.deadline
+        started = False
+        status = 500
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started = True
+                status = int(message["status"])
+                if self.close_when_overloaded and gate.shedding(rt.clock()):
+                    message = _with_close(message)
+            await send(message)
+
+        outcome = "ok"
+        try:
+            if deadline is None:
+                await self.app(scope, receive, tracking_send)
+            else:
+                async with asyncio.timeout(max(0.0, deadline - rt.clock())):
+                    await self.app(scope, receive, tracking_send)
+            if status >= 500:
+                outcome = "dropped" if status == 504 else "ignored"
+            elif status == 400:
+                outcome = "bad_request"
+        except TimeoutError:
+            outcome = "dropped"
+            if not started:
+                await send_error(send, 504, "deadline passed while the request ran")
+                return
+            raise
+        except asyncio.CancelledError:
+            outcome = "dropped"
+            raise
+        except Exception:
+            outcome = "ignored"
+            raise
+        finally:
+            gate.release(rt.clock(), permit, outcome)  # type: ignore[arg-type]
+            rt.finished()
+
+    def snapshot(self) -> dict[str, Any]:
+        out = self.rt.snapshot()
+        for k, v in self.rejected.items():
+            out["rejected_by_status"][str(k)] = out["rejected_by_status"].get(str(k), 0) + v
+        return out
 
 
 class AdmissionMiddleware:

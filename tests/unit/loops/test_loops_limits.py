@@ -46,9 +46,13 @@ def window(p90_ms: float | None = 50.0, mean_ms: float | None = 40.0, completed:
         WorkerWindow(slot=0, l1_limit=20, max_inflight=20, queued=5, arrivals=200, admitted=150),
         WorkerWindow(slot=1, l1_limit=20, max_inflight=20, queued=5, arrivals=200, admitted=150),
     ]
-    return NodeWindow(duration_s=3.0, completed=completed, admitted=completed,
-                      p90_total_s=None if p90_ms is None else p90_ms / 1e3,
-                      mean_total_s=None if mean_ms is None else mean_ms / 1e3, workers=ws, **kw)  # type: ignore[arg-type]
+    # The guard and Vegas read the server-side delay by default: feed the same values as both signals.
+    p90 = None if p90_ms is None else p90_ms / 1e3
+    mean = None if mean_ms is None else mean_ms / 1e3
+    if "min_total_s" in kw:
+        kw.setdefault("min_delay_s", kw["min_total_s"])
+    return NodeWindow(duration_s=3.0, completed=completed, admitted=completed, p90_total_s=p90, mean_total_s=mean,
+                      p90_delay_s=p90, mean_delay_s=mean, workers=ws, **kw)  # type: ignore[arg-type]
 
 
 def test_leases_split_by_demand_with_epochs_and_lease_expiry() -> None:
