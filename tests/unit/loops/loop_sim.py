@@ -42,7 +42,7 @@ from numaserve.loops.cpu_gate import CpuGate
 TINY = 0.0001       # CPU of a trivial step (parse, respond, one chunk)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Kind:
     """One traffic class: arrival rate (per second) during [start, end) and its shape."""
 
