@@ -73,7 +73,8 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     lag_target_s: float = 0.010          # the loop is short of CPU while its smoothed lag is above this
     lag_smoothing: float = 0.5           # weight of a new lag sample in the smoothed lag
     cpu_concurrency: int = 2             # overloaded: admit only if fewer requests than this wait for CPU
-    cpu_burst: int = 8                   # short of CPU in a burst (not overloaded): the same bound
+    cpu_burst: int = 8                   # short of CPU in a burst (not overloaded): the same bound ...
+    burst_wait_s: float = 0.2            # ... and requests not started yet, by their expected CPU
     busy_window_s: float = 0.5           # overloaded = the loop busy without an idle moment for the share
     busy_threshold: float = 0.95         # busy_threshold of the recent past (time constant busy_window_s) ...
     busy_release: float = 0.8            # ... and until that share falls below busy_release
@@ -82,7 +83,7 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     probe_max_s: float = 0.008           # ... growing to this while it is idle
     sentinel: bool = True                # a thread answers 503 from the accept queue while the loop is stalled
     stall_after_s: float = 0.002         # stalled: the probe is this late (while short of CPU) ...
-    stall_idle_after_s: float = 0.05     # ... or this late (otherwise: one long blocking call)
+    stall_idle_after_s: float = 1.0      # ... or this late otherwise (a cold start, a GC pause: not overload)
     stall_queue: int = 1                 # connections left waiting in the accept queue during a stall
     close_when_overloaded: bool = True   # Connection: close on responses while shedding (clients come back
                                          # through the accept queue, where the sentinel sees them)
@@ -110,7 +111,7 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         at_least(self, 0, "request_timeout_s", "queue_factor", "queue_max", "max_inflight", "stall_queue",
                  "max_wait_factor", "burst_fraction", "static_limit", "baseline_windows", "overload_hold_s",
                  "gone_check_after_s")
-        positive(self, "lag_target_s", "busy_window_s", "probe_min_s", "probe_max_s", "stall_after_s", "stall_idle_after_s",
+        positive(self, "lag_target_s", "busy_window_s", "burst_wait_s", "probe_min_s", "probe_max_s", "stall_after_s", "stall_idle_after_s",
                  "codel_interval_s", "codel_target_min_s", "codel_target_max_s", "slough_factor",
                  "throughput_tau_s", "baseline_window_s")
         fraction(self, "lag_smoothing", "busy_threshold", "busy_release", low_open=True)

@@ -56,6 +56,8 @@ OTHER_THREADS_BUSY = 0.5
 #: A probe later than its period plus this means the loop had work queued (it was not waiting
 #: in poll); covers the 1 ms timer resolution of uvloop.
 BUSY_LAG_S = 0.0005
+#: What a request costs before any was measured.
+REQUEST_CPU_PRIOR_S = 0.002
 #: Window of the thread-CPU measurement.
 CPU_WINDOW_S = 0.05
 
@@ -159,6 +161,7 @@ class CpuGateStats(msgspec.Struct, kw_only=True):
     lag_s: float                    # smoothed loop lag
     lag_max_s: float                # largest probe lag since the previous snapshot
     other_threads_cpu: float        # CPUs burnt by threads other than the loop (thread pools)
+    request_cpu_s: float            # the loop's CPU per finished request (smoothed)
     throughput: float
     probing: bool = False
 
@@ -180,6 +183,8 @@ class CpuGate:
         self._cpu_loop = 0.0
         self._cpu_proc = 0.0
         self.other_threads_cpu = 0.0
+        self.request_cpu_s = REQUEST_CPU_PRIOR_S   # the loop's CPU per request (learnt)
+        self._cpu_done = 0
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -219,7 +224,12 @@ class CpuGate:
             return
         other = (process_cpu_s - self._cpu_proc) - (loop_cpu_s - self._cpu_loop)
         self.other_threads_cpu = max(0.0, other / dt)
+        done = self._c["completed"] - self._cpu_done
+        if done > 0:  # the loop's CPU per finished request, smoothed
+            per = (loop_cpu_s - self._cpu_loop) / done
+            self.request_cpu_s += 0.3 * (per - self.request_cpu_s)
         self._cpu_at, self._cpu_loop, self._cpu_proc = now, loop_cpu_s, process_cpu_s
+        self._cpu_done = self._c["completed"]
 
     def probe_delay(self) -> float:
         return self.lag.period
@@ -238,9 +248,14 @@ class CpuGate:
     # --- per request -------------------------------------------------------------------------
 
     def try_admit(self, now: float, *, deadline: float | None = None,
-                  runnable: int | Callable[[], int] = 0) -> Admit | Reject:
-        """Admit or refuse at once.  ``runnable``: requests (tasks) waiting for CPU besides this one,
-        or a function counting them (only called when the loop is short of CPU)."""
+                  runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> Admit | Reject:
+        """Admit or refuse at once.
+
+        ``runnable``: (tasks ready to run that already ran a step, tasks not started yet) besides
+        this request, or a function counting them (called only when the loop is short of CPU).
+        Overloaded, both are queue.  In a burst the new ones count by their expected CPU
+        (``request_cpu_s`` × count against ``burst_wait_s``): 40 new awaits are not 40 CPU jobs.
+        """
         if deadline is not None and now >= deadline:
             return self._reject(now, 504, "deadline")
         if not self.pushed.bucket.try_take(now):
@@ -251,11 +266,14 @@ class CpuGate:
             return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
                                 retry_after=self._overload_retry(now))
         if self.lag.short(now, self.inflight > 0):
-            others = runnable() if callable(runnable) else runnable
+            started, new = runnable() if callable(runnable) else runnable
             if self.other_threads_cpu >= OTHER_THREADS_BUSY:
-                others += 1
-            limit = self.s.cpu_concurrency if self.overloaded(now) else self.s.cpu_burst
-            if others >= limit:
+                started += 1
+            if self._overloaded:
+                refuse = started + new >= self.s.cpu_concurrency
+            else:
+                refuse = started >= self.s.cpu_burst or new * self.request_cpu_s >= self.s.burst_wait_s
+            if refuse:
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
         self.inflight += 1
         self._max_inflight = max(self._max_inflight, self.inflight)
@@ -326,6 +344,7 @@ class CpuGate:
             status_504=c["504"], shed=dict(self._shed), client_gone=c["gone"], codel_overloaded=short,
             short_of_cpu=short, shedding=self.shedding(now), lag_s=round(self.lag.current(now, self.inflight > 0), 6),
             lag_max_s=round(self.lag.max_since, 6), other_threads_cpu=round(self.other_threads_cpu, 3),
+            request_cpu_s=round(self.request_cpu_s, 6),
             throughput=self._throughput.get(now),
         )
         if reset_max:

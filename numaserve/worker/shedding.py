@@ -148,10 +148,19 @@ class LoopProbe:
             self._handle = None
 
 
-def runnable_tasks() -> int:
-    """Tasks of this loop ready to run (not awaiting anything), the current one excluded."""
+def runnable_tasks() -> tuple[int, int]:
+    """Tasks of this loop ready to run (not awaiting anything), the current one excluded:
+    (those that already ran a step, those not started yet)."""
     cur = asyncio.current_task()
-    return sum(1 for t in asyncio.all_tasks() if t is not cur and t._fut_waiter is None)  # type: ignore[attr-defined]
+    started = new = 0
+    for t in asyncio.all_tasks():
+        if t is cur or t._fut_waiter is not None:  # type: ignore[attr-defined]
+            continue
+        if getattr(t.get_coro(), "cr_suspended", True):
+            started += 1
+        else:
+            new += 1
+    return started, new
 
 
 class AdmissionRuntime:

@@ -160,6 +160,7 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
     wasted = 0.0
     busy = 0.0
     sentinel_sheds = 0
+    cpu_total = 0.0
 
     def arm(t: float, obj: object) -> None:
         nonlocal seq
@@ -193,8 +194,9 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
         if r.permit is not None:
             gate.release(t, r.permit, "ok")
 
-    def runnable_count() -> int:
-        return len(ready)
+    def runnable_count() -> tuple[int, int]:
+        started = sum(1 for r in ready if r.i > 0)
+        return started, len(ready) - started
 
     def ensure_probe(t: float) -> None:
         nonlocal probe_due
@@ -210,6 +212,7 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
                 lag = now - due
                 gate.on_lag(now, lag)
                 lags.append(lag)
+                gate.on_cpu(now, cpu_total, cpu_total)
                 beat = now
                 probe_due = None
                 if gate.inflight > 0:
@@ -228,6 +231,7 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
                 sentinel_sheds += counter[0]
             now = end
             r.cpu += cpu
+            cpu_total += cpu
             if m0 <= t0 < m1:
                 busy += cpu
             if t0 - r.arrival > cfg.timeout_s:

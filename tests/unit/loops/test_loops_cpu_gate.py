@@ -33,16 +33,16 @@ def test_an_idle_or_late_loop_without_queued_work_admits_everything() -> None:
     # 1000 requests awaiting I/O (nothing runnable): the loop lag is what it is, nobody waits for CPU.
     t = busy_for(g, 0.0, 2.0)
     assert g.short_of_cpu(t) and g.overloaded(t)
-    out = [g.try_admit(t, runnable=0) for _ in range(1000)]
+    out = [g.try_admit(t, runnable=(0, 0)) for _ in range(1000)]
     assert all(isinstance(d, Admit) for d in out) and g.inflight == 1000
     # One request ahead (a blocking call just ran, or one cooperative job): still admitted.
-    assert isinstance(g.try_admit(t, runnable=1), Admit)
+    assert isinstance(g.try_admit(t, runnable=(1, 0)), Admit)
 
 
 def test_short_of_cpu_with_queued_work_sheds_503_with_retry_after() -> None:
     g = gate()
     t = busy_for(g, 0.0, 2.0)
-    d = g.try_admit(t, runnable=2)
+    d = g.try_admit(t, runnable=(2, 0))
     assert isinstance(d, Reject) and d.status == 503 and d.reason == "cpu" and d.retry_after in (1, 2)
     assert g.shedding(t) and not g.shedding(t + 1.5)
     snap = g.snapshot(t)
@@ -53,10 +53,10 @@ def test_a_burst_is_not_overload_until_the_loop_stays_busy() -> None:
     g = gate(cpu_burst=8)
     g.on_lag(0.5, 0.030)          # one long iteration on a quiet worker
     assert g.short_of_cpu(0.5) and not g.overloaded(0.5)
-    assert isinstance(g.try_admit(0.5, runnable=5), Admit)   # a burst: up to cpu_burst
-    assert isinstance(g.try_admit(0.5, runnable=8), Reject)
+    assert isinstance(g.try_admit(0.5, runnable=(5, 0)), Admit)   # a burst: up to cpu_burst
+    assert isinstance(g.try_admit(0.5, runnable=(8, 0)), Reject)
     t = busy_for(g, 0.5, 2.0)     # no idle moment for 2 s: overloaded, the tight bound applies
-    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=2), Reject)
+    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(2, 0)), Reject)
     # idle samples release it (hysteresis: only once the busy share fell below busy_release)
     for i in range(400):
         t += 0.008
@@ -76,15 +76,25 @@ def test_runnable_is_counted_only_when_short_of_cpu() -> None:
     g = gate()
     calls = []
 
-    def count() -> int:
+    def count() -> tuple[int, int]:
         calls.append(1)
-        return 0
+        return 0, 0
 
     g.try_admit(0.0, runnable=count)
     assert calls == []
     t = busy_for(g, 0.0, 1.0)
     g.try_admit(t, runnable=count)
     assert calls == [1]
+
+
+def test_new_requests_count_as_queue_when_overloaded_and_by_their_cost_in_a_burst() -> None:
+    g = gate(burst_wait_s=0.2)
+    g.on_lag(0.5, 0.030)                                   # short of CPU, not overloaded
+    assert isinstance(g.try_admit(0.5, runnable=(0, 40)), Admit)   # 40 new x 2 ms (prior) < 200 ms
+    g.request_cpu_s = 0.020                                # learnt: requests cost 20 ms
+    assert isinstance(g.try_admit(0.5, runnable=(0, 10)), Reject)  # 10 x 20 ms: 200 ms of queue
+    t = busy_for(g, 0.5, 2.0)
+    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(0, 2)), Reject)
 
 
 def test_thread_pool_cpu_counts_as_one_waiting_request() -> None:
@@ -94,7 +104,7 @@ def test_thread_pool_cpu_counts_as_one_waiting_request() -> None:
     g.on_cpu(t + 0.1, 10.01, 10.1)          # other threads: 0.09 s of CPU in 0.1 s
     assert g.other_threads_cpu == pytest.approx(0.9)
     t = busy_for(g, t + 0.1, 0.2)
-    assert isinstance(g.try_admit(t, runnable=1), Reject)
+    assert isinstance(g.try_admit(t, runnable=(1, 0)), Reject)
 
 
 def test_inflight_cap_lease_quota_and_deadline() -> None:
@@ -132,7 +142,7 @@ def test_release_and_gone_clients_free_their_permit_once() -> None:
 
 
 def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
-    g = gate(stall_queue=1, stall_after_s=0.002, stall_idle_after_s=0.05)
+    g = gate(stall_queue=1, stall_after_s=0.002, stall_idle_after_s=0.05)  # (default idle: 1 s)
     assert g.stall_excess(0.0, 1.0, 10) == 0          # nothing in flight: the loop is idle, not stalled
     g.try_admit(0.0)
     assert g.stall_excess(0.01, 0.01, 10) == 0        # quiet worker: one 10 ms call is no stall
