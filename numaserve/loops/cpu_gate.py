@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from typing import Callable
 
 import msgspec
@@ -58,6 +59,8 @@ OTHER_THREADS_BUSY = 0.5
 BUSY_LAG_S = 0.0005
 #: What a request costs before any was measured.
 REQUEST_CPU_PRIOR_S = 0.002
+#: The per-request CPU is the lowest of this many recent windows.
+COST_WINDOWS = 8
 #: Window of the thread-CPU measurement.
 CPU_WINDOW_S = 0.05
 
@@ -161,7 +164,7 @@ class CpuGateStats(msgspec.Struct, kw_only=True):
     lag_s: float                    # smoothed loop lag
     lag_max_s: float                # largest probe lag since the previous snapshot
     other_threads_cpu: float        # CPUs burnt by threads other than the loop (thread pools)
-    request_cpu_s: float            # the loop's CPU per finished request (smoothed)
+    request_cpu_s: float            # the loop's CPU per finished request (lowest of recent windows)
     throughput: float
     probing: bool = False
 
@@ -185,6 +188,7 @@ class CpuGate:
         self.other_threads_cpu = 0.0
         self.request_cpu_s = REQUEST_CPU_PRIOR_S   # the loop's CPU per request (learnt)
         self._cpu_done = 0
+        self._costs: deque[float] = deque(maxlen=COST_WINDOWS)
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -225,9 +229,9 @@ class CpuGate:
         other = (process_cpu_s - self._cpu_proc) - (loop_cpu_s - self._cpu_loop)
         self.other_threads_cpu = max(0.0, other / dt)
         done = self._c["completed"] - self._cpu_done
-        if done > 0:  # the loop's CPU per finished request, smoothed
-            per = (loop_cpu_s - self._cpu_loop) / done
-            self.request_cpu_s += 0.3 * (per - self.request_cpu_s)
+        if done > 0:  # the loop's CPU per finished request: the lowest of the recent windows
+            self._costs.append((loop_cpu_s - self._cpu_loop) / done)   # (a cold start is no rule)
+            self.request_cpu_s = min(self._costs)
         self._cpu_at, self._cpu_loop, self._cpu_proc = now, loop_cpu_s, process_cpu_s
         self._cpu_done = self._c["completed"]
 

@@ -251,6 +251,18 @@ def _deadline(headers: list[tuple[bytes, bytes]], arrived: float, default_s: flo
     return arrived + default_s if default_s > 0 else None
 
 
+class _Quiet:
+    """A logger that says nothing (see ``AdmissionProtocol.logger``)."""
+
+    level = 100
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+_QUIET = _Quiet()
+
+
 class _Stop(Exception):
     """Raised from a parser callback to stop parsing: the request was answered or dropped."""
 
@@ -264,6 +276,17 @@ def admission_protocol(base: type, rt: AdmissionRuntime) -> type:
     class AdmissionProtocol(base):  # type: ignore[misc, valid-type]
         _ns_reject: Reject | None = None
         _ns_drop = False
+        _ns_logger: Any = None
+
+        # uvicorn logs "Invalid HTTP request received." when a parser callback raises; ours
+        # raises on purpose to stop parsing a refused request: keep that out of the log
+        @property
+        def logger(self) -> Any:
+            return _QUIET if (self._ns_reject is not None or self._ns_drop) else self._ns_logger
+
+        @logger.setter
+        def logger(self, value: Any) -> None:
+            self._ns_logger = value
 
         def data_received(self, data: bytes) -> None:
             if self._ns_drop:
