@@ -47,7 +47,7 @@ class OverloadParams:
     timeout_s: float = 2.0
     levels: tuple[float, ...] = (1.0, 2.0, 3.0)
     shapes: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
-        "cooperative": (1.0, 2.0, 3.0), "blocking": (2.0,)})
+        "cooperative": (1.0, 2.0, 3.0), "blocking": (2.0, 3.0)})
     duration_s: float = 10.0
     after_s: float = 10.0
     capacity_s: float = 4.0
