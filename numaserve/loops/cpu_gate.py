@@ -36,13 +36,13 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 
 from numaserve.loops.admission import (
-    Admit,
     AdmissionSettings,
+    Admit,
     Outcome,
     Permit,
     PushedLimits,
@@ -74,8 +74,21 @@ class LagTracker:
     ``kick()`` (new work admitted) brings it back to the minimum.
     """
 
-    __slots__ = ("target", "weight", "pmin", "pmax", "value", "last", "max_since", "at", "period", "samples",
-                 "busy", "tau", "busy_lag")
+    __slots__ = (
+        "at",
+        "busy",
+        "busy_lag",
+        "last",
+        "max_since",
+        "period",
+        "pmax",
+        "pmin",
+        "samples",
+        "target",
+        "tau",
+        "value",
+        "weight",
+    )
 
     def __init__(self, s: AdmissionSettings, now: float) -> None:
         self.target = s.lag_target_s

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from numaserve.loops.supervisor_limits import LimitsDecision, LimitsLoop, NodeWindow, SlotLimits, WorkerWindow
+from numaserve.loops.supervisor_limits import (
+    LimitsDecision,
+    LimitsLoop,
+    NodeWindow,
+    SlotLimits,
+    WorkerWindow,
+)
 from numaserve.worker.stats import BUCKET_UPPER_MS
 
 if TYPE_CHECKING:
@@ -53,7 +59,7 @@ def _add(into: list[int], counts: list[int]) -> None:
 
 
 class LimitsManager:
-    def __init__(self, sup: "Supervisor") -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         now = time.monotonic()
         nodes = sorted({s.plan.node for s in sup.slots.values()})
@@ -72,7 +78,7 @@ class LimitsManager:
 
     # ----------------------------------------------------------------- window
 
-    def _worker_window(self, slot: "SlotState", w: "WorkerProc") -> tuple[WorkerWindow, dict[str, Any]] | None:
+    def _worker_window(self, slot: SlotState, w: WorkerProc) -> tuple[WorkerWindow, dict[str, Any]] | None:
         st = w.stats
         if st is None or not isinstance(st.extra, dict):
             return None
@@ -232,7 +238,7 @@ class LimitsManager:
             if w is not None:
                 self.sup.send_command(w, "set_limits", args)
 
-    def on_hello(self, slot: "SlotState", w: "WorkerProc") -> None:
+    def on_hello(self, slot: SlotState, w: WorkerProc) -> None:
         """A new worker starts at its slot's current epoch."""
         args = self.args_for(slot.plan.slot)
         if args is not None:
@@ -268,7 +274,7 @@ class LimitsManager:
                 touched.update(self._apply(n, self.loops[n].clear_override(now, slot=s), push=push))
         return sorted(touched)
 
-    def status(self, slot: "SlotState") -> dict[str, Any]:
+    def status(self, slot: SlotState) -> dict[str, Any]:
         s = self.current.get(slot.plan.slot)
         w = slot.worker
         gate = w.stats.extra.get("admission") if w and w.stats and isinstance(w.stats.extra, dict) else None

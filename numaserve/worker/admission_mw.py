@@ -25,13 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from numaserve.errors_http import error_body as _error_body
 from numaserve.errors_http import error_headers
-from numaserve.loops.admission import AdmissionGate, AdmissionMachine, AdmissionSettings, Reject, Rejected
+from numaserve.loops.admission import (
+    AdmissionGate,
+    AdmissionMachine,
+    AdmissionSettings,
+    Reject,
+    Rejected,
+)
 from numaserve.loops.gradient import GradientController, GradientSettings
-from numaserve.worker.shedding import CONN_KEY, PERMIT_KEY, AdmissionRuntime, runnable_tasks
+from numaserve.worker.shedding import (
+    CONN_KEY,
+    PERMIT_KEY,
+    AdmissionRuntime,
+    runnable_tasks,
+)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -35,7 +35,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
 from numaserve.listeners import accept_queue_depth

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from benchlib.common import Ctx
 from benchlib.servers import Server, ServerConfig

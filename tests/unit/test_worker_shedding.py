@@ -8,7 +8,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 return
     path = scope["path"]
     if path == "/block":
-        time.sleep(0.3)
+        time.sleep(0.3)  # noqa: ASYNC251 - a handler that blocks the loop, on purpose
     elif path == "/sleep":
         await asyncio.sleep(0.2)
     body = path.encode()
@@ -197,7 +198,7 @@ def test_tcp_wait_and_state_of_a_live_and_a_closed_peer() -> None:
 def test_the_sentinel_answers_the_accept_queue_while_a_handler_blocks(stall: float) -> None:
     async def main() -> None:
         settings = AdmissionSettings(stall_after_s=stall, stall_idle_after_s=0.05, stall_queue=1)
-        async with serving(settings) as (rt, lst, server):
+        async with serving(settings) as (rt, lst, _server):
             rt.start_sentinel([lst], None)
             port = lst.getsockname()[1]
             outs: list[bytes] = []

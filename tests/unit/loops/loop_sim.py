@@ -117,7 +117,7 @@ class LoopSimResult:
 
 
 class _Req:
-    __slots__ = ("kind", "arrival", "steps", "i", "permit", "cpu", "new_conn", "measured")
+    __slots__ = ("arrival", "cpu", "i", "kind", "measured", "new_conn", "permit", "steps")
 
     def __init__(self, kind: Kind, arrival: float, new_conn: bool, measured: bool) -> None:
         self.kind = kind

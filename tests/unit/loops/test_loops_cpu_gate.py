@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from numaserve.loops.admission import Admit, AdmissionSettings, Reject
+from numaserve.loops.admission import AdmissionSettings, Admit, Reject
 from numaserve.loops.checks import SettingError
 from numaserve.loops.cpu_gate import CpuGate
 from numaserve.loops.gradient import GradientSettings

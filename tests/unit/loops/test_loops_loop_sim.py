@@ -7,7 +7,6 @@ client timeout 2 s; SLO 500 ms; measured 5–20 s.  Whole module ≈ 10–20 s.
 from __future__ import annotations
 
 import pytest
-
 from loop_sim import Kind, LoopSimConfig, LoopSimResult, simulate_loop
 
 CAP = 50.0   # per second, 20 ms of CPU each
