@@ -42,6 +42,7 @@ from numaserve.worker.shedding import (
     CONN_KEY,
     PERMIT_KEY,
     AdmissionRuntime,
+    request_deadline,
     runnable_tasks,
 )
 
@@ -87,6 +88,56 @@ def _with_close(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "headers": headers}
 
 
+class _Guarded:
+    """Runs the app under a request's deadline and records the outcome for the gate.
+
+    504 if the deadline passes before the response started; the outcome is
+    set even when the app raises (read it in a ``finally``).
+    """
+
+    __slots__ = ("outcome",)
+
+    def __init__(self) -> None:
+        self.outcome = "ok"
+
+    async def run(self, app: Any, scope: Scope, receive: Receive, send: Send, deadline: float | None,
+                  clock: Callable[[], float], close_if: Callable[[], bool] | None = None) -> None:
+        started = False
+        status = 500
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started = True
+                status = int(message["status"])
+                if close_if is not None and close_if():
+                    message = _with_close(message)
+            await send(message)
+
+        try:
+            if deadline is None:
+                await app(scope, receive, tracking_send)
+            else:
+                async with asyncio.timeout(max(0.0, deadline - clock())):
+                    await app(scope, receive, tracking_send)
+            if status >= 500:
+                self.outcome = "dropped" if status == 504 else "ignored"
+            elif status == 400:
+                self.outcome = "bad_request"
+        except TimeoutError:
+            self.outcome = "dropped"
+            if not started:
+                await send_error(send, 504, "deadline passed while the request ran")
+                return
+            raise
+        except asyncio.CancelledError:
+            self.outcome = "dropped"
+            raise
+        except Exception:
+            self.outcome = "ignored"
+            raise
+
+
 class CpuAdmissionMiddleware:
     """The ASGI half of limiter "cpu" (see the module docstring)."""
 
@@ -100,15 +151,7 @@ class CpuAdmissionMiddleware:
         self.rejected: dict[int, int] = {}
 
     def _deadline(self, scope: Scope, arrived: float) -> float | None:
-        for name, value in scope.get("headers") or ():
-            if name == DEADLINE_HEADER:
-                try:
-                    t = float(value)
-                except ValueError:
-                    break
-                if t > 0:
-                    return arrived + t
-        return arrived + self.default_timeout_s if self.default_timeout_s > 0 else None
+        return request_deadline(scope.get("headers") or (), arrived, self.default_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -135,44 +178,12 @@ class CpuAdmissionMiddleware:
             rt.finished()
             return
         rt.started(permit, now)
-        deadline = permit.deadline
-        started = False
-        status = 500
-
-        async def tracking_send(message: dict[str, Any]) -> None:
-            nonlocal started, status
-            if message["type"] == "http.response.start":
-                started = True
-                status = int(message["status"])
-                if self.close_when_overloaded and gate.shedding(rt.clock()):
-                    message = _with_close(message)
-            await send(message)
-
-        outcome = "ok"
+        run = _Guarded()
+        close_if = (lambda: gate.shedding(rt.clock())) if self.close_when_overloaded else None
         try:
-            if deadline is None:
-                await self.app(scope, receive, tracking_send)
-            else:
-                async with asyncio.timeout(max(0.0, deadline - rt.clock())):
-                    await self.app(scope, receive, tracking_send)
-            if status >= 500:
-                outcome = "dropped" if status == 504 else "ignored"
-            elif status == 400:
-                outcome = "bad_request"
-        except TimeoutError:
-            outcome = "dropped"
-            if not started:
-                await send_error(send, 504, "deadline passed while the request ran")
-                return
-            raise
-        except asyncio.CancelledError:
-            outcome = "dropped"
-            raise
-        except Exception:
-            outcome = "ignored"
-            raise
+            await run.run(self.app, scope, receive, send, permit.deadline, rt.clock, close_if)
         finally:
-            gate.release(rt.clock(), permit, outcome)  # type: ignore[arg-type]
+            gate.release(rt.clock(), permit, run.outcome)  # type: ignore[arg-type]
             rt.finished()
 
     def snapshot(self) -> dict[str, Any]:
@@ -190,15 +201,7 @@ class AdmissionMiddleware:
         self.rejected: dict[int, int] = {}
 
     def _deadline(self, scope: Scope, now: float) -> float | None:
-        for name, value in scope.get("headers") or ():
-            if name == DEADLINE_HEADER:
-                try:
-                    t = float(value)
-                except ValueError:
-                    break
-                if t > 0:
-                    return now + t
-        return now + self.default_timeout_s if self.default_timeout_s > 0 else None
+        return request_deadline(scope.get("headers") or (), now, self.default_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -212,42 +215,11 @@ class AdmissionMiddleware:
             self.rejected[r.status] = self.rejected.get(r.status, 0) + 1
             await send_error(send, r.status, f"request not admitted: {r.reason}", r.headers())
             return
-        started = False
-        status = 500
-
-        async def tracking_send(message: dict[str, Any]) -> None:
-            nonlocal started, status
-            if message["type"] == "http.response.start":
-                started = True
-                status = int(message["status"])
-            await send(message)
-
-        outcome = "ok"
+        run = _Guarded()
         try:
-            if deadline is None:
-                await self.app(scope, receive, tracking_send)
-            else:
-                remaining = max(0.0, deadline - self.gate.clock())
-                async with asyncio.timeout(remaining):
-                    await self.app(scope, receive, tracking_send)
-            if status >= 500:
-                outcome = "dropped" if status == 504 else "ignored"
-            elif status == 400:
-                outcome = "bad_request"
-        except TimeoutError:
-            outcome = "dropped"
-            if not started:
-                await send_error(send, 504, "deadline passed while the request ran")
-                return
-            raise
-        except asyncio.CancelledError:
-            outcome = "dropped"
-            raise
-        except Exception:
-            outcome = "ignored"
-            raise
+            await run.run(self.app, scope, receive, send, deadline, self.gate.clock)
         finally:
-            self.gate.release(permit, outcome)  # type: ignore[arg-type]
+            self.gate.release(permit, run.outcome)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.gate.machine.snapshot(self.gate.clock(), reset_max=True)

@@ -240,7 +240,8 @@ class AdmissionRuntime:
         return out
 
 
-def _deadline(headers: list[tuple[bytes, bytes]], arrived: float, default_s: float) -> float | None:
+def request_deadline(headers: Any, arrived: float, default_s: float) -> float | None:
+    """When the request must be answered: ``x-request-timeout`` seconds (or the default) after arrival."""
     for name, value in headers:
         if name == DEADLINE_HEADER:
             try:
@@ -308,7 +309,7 @@ def admission_protocol(base: type, rt: AdmissionRuntime) -> type:
                         self._ns_drop = True
                         raise _Stop
                     arrived = now - got[0]
-            d = gate.try_admit(now, deadline=_deadline(self.headers, arrived, default_timeout),
+            d = gate.try_admit(now, deadline=request_deadline(self.headers, arrived, default_timeout),
                                runnable=runnable_tasks)
             if isinstance(d, Reject):
                 self._ns_reject = d

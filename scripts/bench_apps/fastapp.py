@@ -15,25 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterator
 
+from benchapp import burn  # the same 20 ms of CPU as the pure-ASGI bench app
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 app = FastAPI()
-PID = os.getpid()
-
-
-def burn(ms: float) -> None:
-    """Spin until this thread has used ``ms`` milliseconds of CPU."""
-    end = time.thread_time() + ms / 1000.0
-    x = 1
-    while time.thread_time() < end:
-        for _ in range(200):
-            x = (x * 1103515245 + 12345) & 0x7FFFFFFF
-
-
 @app.get("/")
 async def root() -> dict[str, int]:
     return {"pid": os.getpid()}
