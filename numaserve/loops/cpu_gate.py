@@ -14,7 +14,8 @@ count.  Two signals say the loop is short:
   needs it, plus one when threads other than the loop burn ≥ half a CPU
   (sync handlers run in a thread pool).
 
-A request is shed (503) only when the loop is short of CPU **and** at least
+A request is shed (503) only when the loop is short of CPU (or has been
+overloaded — busy without an idle moment — for a while) **and** at least
 ``cpu_concurrency`` other requests already wait for it.  The second condition
 keeps a small queue so the CPU never idles while requests wait: a request
 arriving behind one blocking call, or next to one cooperative job, is always
@@ -173,6 +174,7 @@ class CpuGateStats(msgspec.Struct, kw_only=True):
     client_gone: int                # not run: the client had left before the request started
     codel_overloaded: bool          # kept for readers of GateStats: here "short of CPU now"
     short_of_cpu: bool
+    overloaded: bool                # busy without an idle moment for a while: the tight bound applies
     shedding: bool                  # shed within overload_hold_s
     lag_s: float                    # smoothed loop lag
     lag_max_s: float                # largest probe lag since the previous snapshot
@@ -282,7 +284,7 @@ class CpuGate:
         if cap is not None and self.inflight >= cap:
             return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
                                 retry_after=self._overload_retry(now))
-        if self.lag.short(now, self.inflight > 0):
+        if self._overloaded or self.lag.short(now, self.inflight > 0):
             started, new = runnable() if callable(runnable) else runnable
             if self.other_threads_cpu >= OTHER_THREADS_BUSY:
                 started += 1
@@ -359,7 +361,7 @@ class CpuGate:
             max_inflight=self._max_inflight, admitted=c["admitted"], completed=c["completed"], ok=c["ok"],
             status_400=c["400"], status_429=c["429"], status_500=c["500"], status_503=c["503"],
             status_504=c["504"], shed=dict(self._shed), client_gone=c["gone"], codel_overloaded=short,
-            short_of_cpu=short, shedding=self.shedding(now), lag_s=round(self.lag.current(now, self.inflight > 0), 6),
+            short_of_cpu=short, overloaded=self._overloaded, shedding=self.shedding(now), lag_s=round(self.lag.current(now, self.inflight > 0), 6),
             lag_max_s=round(self.lag.max_since, 6), other_threads_cpu=round(self.other_threads_cpu, 3),
             request_cpu_s=round(self.request_cpu_s, 6),
             throughput=self._throughput.get(now),

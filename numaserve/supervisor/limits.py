@@ -297,6 +297,7 @@ class LimitsManager:
 
 def _gate_summary(gate: dict[str, Any]) -> dict[str, Any]:
     """What the worker's gate is doing now (status, ``ratelimit show``): the CPU signals and sheds."""
-    keys = ("inflight", "max_inflight", "lag_s", "lag_max_s", "short_of_cpu", "shedding", "other_threads_cpu",
+    keys = ("inflight", "max_inflight", "lag_s", "lag_max_s", "short_of_cpu", "overloaded", "shedding",
+            "other_threads_cpu", "request_cpu_s",
             "client_gone", "shed", "sentinel", "codel_overloaded", "queued")
     return {k: gate[k] for k in keys if k in gate}

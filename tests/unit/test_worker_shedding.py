@@ -135,7 +135,7 @@ def test_admitted_requests_release_their_permit_and_are_counted() -> None:
 
 def test_the_protocol_refuses_with_503_retry_after_and_close_when_short_of_cpu() -> None:
     async def main() -> None:
-        async with serving(AdmissionSettings(sentinel=False)) as (rt, lst, _):
+        async with serving(AdmissionSettings(sentinel=False, close_when_overloaded=True)) as (rt, lst, _):
             port = lst.getsockname()[1]
             # the gate says: loop late and two requests already waiting for CPU
             rt.gate.on_lag(time.monotonic(), 0.5)
@@ -152,7 +152,7 @@ def test_the_protocol_refuses_with_503_retry_after_and_close_when_short_of_cpu()
             assert out.startswith(b"HTTP/1.1 503") and b"retry-after:" in head and b"connection: close" in head
             snap = rt.snapshot()
             assert snap["shed"] == {"cpu": 1} and snap["unserved_by_status"] == {"503": 1} and snap["admitted"] == 0
-            # while shedding, admitted responses say Connection: close too
+            # while shedding (and asked to), admitted responses say Connection: close too
             rt.gate.lag.value = 0.0
             out = await asyncio.to_thread(get, port, "/y")
             assert out.startswith(b"HTTP/1.1 200") and b"connection: close" in out.split(b"\r\n\r\n")[0].lower()
