@@ -172,7 +172,7 @@ class CpuGateStats(msgspec.Struct, kw_only=True):
     status_504: int
     shed: dict[str, int]            # by reason: cpu, stall (sentinel), inflight_cap, limit_zero, quota, deadline
     client_gone: int                # not run: the client had left before the request started
-    codel_overloaded: bool          # kept for readers of GateStats: here "short of CPU now"
+    codel_overloaded: bool          # kept for readers of GateStats: here "overloaded" (sustained)
     short_of_cpu: bool
     overloaded: bool                # busy without an idle moment for a while: the tight bound applies
     shedding: bool                  # shed within overload_hold_s
@@ -360,7 +360,7 @@ class CpuGate:
             rate=self.pushed.bucket.rate, burst=self.pushed.bucket.burst, inflight=self.inflight, queued=0,
             max_inflight=self._max_inflight, admitted=c["admitted"], completed=c["completed"], ok=c["ok"],
             status_400=c["400"], status_429=c["429"], status_500=c["500"], status_503=c["503"],
-            status_504=c["504"], shed=dict(self._shed), client_gone=c["gone"], codel_overloaded=short,
+            status_504=c["504"], shed=dict(self._shed), client_gone=c["gone"], codel_overloaded=self._overloaded,
             short_of_cpu=short, overloaded=self._overloaded, shedding=self.shedding(now), lag_s=round(self.lag.current(now, self.inflight > 0), 6),
             lag_max_s=round(self.lag.max_since, 6), other_threads_cpu=round(self.other_threads_cpu, 3),
             request_cpu_s=round(self.request_cpu_s, 6),
