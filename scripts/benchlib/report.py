@@ -57,7 +57,7 @@ def md_overload(s: dict[str, Any]) -> list[str]:
           fmt(r["p99_admitted_ms"], 0), fmt(r["p99_over_unloaded_p50"], 1), _pct(r["shed_frac"]),
           fmt(r["shed_p99_ms"], 0), _pct(r["timeout_frac"]), fmt(r["cpu_after_s"], 1)] for r in rows])
     if s.get("targets"):
-        lines += ["", "Issue-10 targets for numaserve (medians):", ""]
+        lines += ["", "Issue-13 targets for numaserve (medians):", ""]
         lines += _table(["request", "load", "target", "wanted", "measured", "met"],
                         [[t["shape"], f"{t['level']:g}×", t["target"], t["wanted"],
                           "–" if t["measured"] is None else str(t["measured"]),
