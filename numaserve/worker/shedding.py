@@ -227,7 +227,7 @@ class AdmissionRuntime:
             out["shed"]["stall"] = out["shed"].get("stall", 0) + sent.shed
             out["status_503"] += sent.shed
         out["sentinel"] = None if sent is None else {"shed": sent.shed, "handed_back": sent.handed_back,
-                                                     "stalls": sent.stalls}
+                                                     "stalls": sent.stalls, "client_gone": sent.gone}
         out["rejected_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
         # answered before any ASGI middleware saw them (the worker adds them to its status classes)
         out["unserved_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
@@ -359,6 +359,7 @@ class Sentinel(threading.Thread):
         self.shed = 0
         self.handed_back = 0
         self.stalls = 0
+        self.gone = 0
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop_evt.set()
@@ -426,9 +427,9 @@ class Sentinel(threading.Thread):
         except OSError:
             conn.close()
             return
-        if not first:          # the client already left
+        if not first:          # the client already left: nothing to answer
             conn.close()
-            self.rt.gate.note_shed(time.monotonic())
+            self.gone += 1
             return
         if not (65 <= first[0] <= 90) and self.adopt is not None:   # not an HTTP method: frames, TLS
             self.handed_back += 1
