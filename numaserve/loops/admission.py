@@ -74,7 +74,7 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     lag_smoothing: float = 0.5           # weight of a new lag sample in the smoothed lag
     cpu_concurrency: int = 2             # overloaded: admit only if fewer requests than this wait for CPU
     cpu_burst: int = 8                   # short of CPU in a burst (not overloaded): the same bound ...
-    burst_wait_s: float = 0.2            # ... and requests not started yet, by their expected CPU
+    burst_wait_s: float = 0.1            # ... and all of them by their expected CPU (count × CPU per request)
     busy_window_s: float = 0.5           # overloaded = the loop busy without an idle moment for the share
     busy_threshold: float = 0.95         # busy_threshold of the recent past (time constant busy_window_s) ...
     busy_release: float = 0.8            # ... and until that share falls below busy_release

@@ -272,7 +272,7 @@ class CpuGate:
 
         ``runnable``: (tasks ready to run that already ran a step, tasks not started yet) besides
         this request, or a function counting them (called only when the loop is short of CPU).
-        Overloaded, both are queue.  In a burst the new ones count by their expected CPU
+        Overloaded, both are queue.  In a burst all of them count by their expected CPU
         (``request_cpu_s`` × count against ``burst_wait_s``): 40 new awaits are not 40 CPU jobs.
         """
         if deadline is not None and now >= deadline:
@@ -291,7 +291,8 @@ class CpuGate:
             if self._overloaded:
                 refuse = started + new >= self.s.cpu_concurrency
             else:
-                refuse = started >= self.s.cpu_burst or new * self.request_cpu_s >= self.s.burst_wait_s
+                refuse = (started >= self.s.cpu_burst
+                          or (started + new) * self.request_cpu_s >= self.s.burst_wait_s)
             if refuse:
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
         self.inflight += 1
