@@ -72,7 +72,8 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # limiter "cpu" (numaserve.loops.cpu_gate)
     lag_target_s: float = 0.010          # the loop is short of CPU while its smoothed lag is above this
     lag_smoothing: float = 0.5           # weight of a new lag sample in the smoothed lag
-    cpu_concurrency: int = 2             # overloaded: admit only if fewer requests than this wait for CPU
+    cpu_concurrency: int = 2             # overloaded: admit only if fewer requests than this wait for CPU ...
+    overload_wait_s: float = 0.04        # ... or what they wait for is less CPU than this
     cpu_burst: int = 8                   # short of CPU in a burst (not overloaded): the same bound ...
     burst_wait_s: float = 0.1            # ... and all of them by their expected CPU (count × CPU per request)
     busy_window_s: float = 0.5           # overloaded = the loop busy without an idle moment for the share
@@ -111,7 +112,7 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         at_least(self, 0, "request_timeout_s", "queue_factor", "queue_max", "max_inflight", "stall_queue",
                  "max_wait_factor", "burst_fraction", "static_limit", "baseline_windows", "overload_hold_s",
                  "gone_check_after_s")
-        positive(self, "lag_target_s", "busy_window_s", "burst_wait_s", "probe_min_s", "probe_max_s", "stall_after_s", "stall_idle_after_s",
+        positive(self, "lag_target_s", "busy_window_s", "burst_wait_s", "overload_wait_s", "probe_min_s", "probe_max_s", "stall_after_s", "stall_idle_after_s",
                  "codel_interval_s", "codel_target_min_s", "codel_target_max_s", "slough_factor",
                  "throughput_tau_s", "baseline_window_s")
         fraction(self, "lag_smoothing", "busy_threshold", "busy_release", low_open=True)

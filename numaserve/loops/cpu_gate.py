@@ -16,7 +16,9 @@ count.  Two signals say the loop is short:
 
 A request is shed (503) only when the loop is short of CPU (or has been
 overloaded — busy without an idle moment — for a while) **and** at least
-``cpu_concurrency`` other requests already wait for it.  The second condition
+``cpu_concurrency`` other requests already wait for it, worth at least
+``overload_wait_s`` of CPU (so 8 clients of a 5 ms endpoint queue, 3 of a
+20 ms one do not).  The second condition
 keeps a small queue so the CPU never idles while requests wait: a request
 arriving behind one blocking call, or next to one cooperative job, is always
 admitted; only the ones that would wait behind several are refused.  With
@@ -288,11 +290,12 @@ class CpuGate:
             started, new = runnable() if callable(runnable) else runnable
             if self.other_threads_cpu >= OTHER_THREADS_BUSY:
                 started += 1
-            if self._overloaded:
-                refuse = started + new >= self.s.cpu_concurrency
+            waiting = started + new
+            if self._overloaded:   # a queue, and worth more than overload_wait_s of CPU
+                refuse = (waiting >= self.s.cpu_concurrency
+                          and waiting * self.request_cpu_s >= self.s.overload_wait_s)
             else:
-                refuse = (started >= self.s.cpu_burst
-                          or (started + new) * self.request_cpu_s >= self.s.burst_wait_s)
+                refuse = started >= self.s.cpu_burst or waiting * self.request_cpu_s >= self.s.burst_wait_s
             if refuse:
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
         self.inflight += 1

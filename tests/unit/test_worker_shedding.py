@@ -140,6 +140,7 @@ def test_the_protocol_refuses_with_503_retry_after_and_close_when_short_of_cpu()
             # the gate says: loop late and two requests already waiting for CPU
             rt.gate.on_lag(time.monotonic(), 0.5)
             rt.gate._overloaded = True
+            rt.gate.request_cpu_s = 0.02
             import numaserve.worker.shedding as sh
 
             orig = sh.runnable_tasks

@@ -15,8 +15,11 @@ from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
 
 
-def gate(**kw: object) -> CpuGate:
-    return CpuGate(AdmissionSettings(**kw), 0.0, rng=random.Random(3))  # type: ignore[arg-type]
+def gate(request_cpu_s: float = 0.020, **kw: object) -> CpuGate:
+    """A gate that has learnt its requests cost ``request_cpu_s`` of CPU each (20 ms jobs)."""
+    g = CpuGate(AdmissionSettings(**kw), 0.0, rng=random.Random(3))  # type: ignore[arg-type]
+    g.request_cpu_s = request_cpu_s
+    return g
 
 
 def busy_for(g: CpuGate, start: float, seconds: float, lag: float = 0.015) -> float:
@@ -50,13 +53,15 @@ def test_short_of_cpu_with_queued_work_sheds_503_with_retry_after() -> None:
 
 
 def test_a_burst_is_not_overload_until_the_loop_stays_busy() -> None:
-    g = gate(cpu_burst=8)
+    g = gate(request_cpu_s=0.005, cpu_burst=8)
     g.on_lag(0.5, 0.030)          # one long iteration on a quiet worker
     assert g.short_of_cpu(0.5) and not g.overloaded(0.5)
-    assert isinstance(g.try_admit(0.5, runnable=(5, 0)), Admit)   # a burst: up to cpu_burst
+    assert isinstance(g.try_admit(0.5, runnable=(5, 0)), Admit)   # a burst: up to cpu_burst, 0.1 s of CPU
     assert isinstance(g.try_admit(0.5, runnable=(8, 0)), Reject)
     t = busy_for(g, 0.5, 2.0)     # no idle moment for 2 s: overloaded, the tight bound applies
-    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(2, 0)), Reject)
+    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(8, 0)), Reject)
+    g.request_cpu_s = 0.020
+    assert isinstance(g.try_admit(t, runnable=(2, 0)), Reject)
     # idle samples release it (hysteresis: only once the busy share fell below busy_release)
     for i in range(400):
         t += 0.008
@@ -88,13 +93,22 @@ def test_runnable_is_counted_only_when_short_of_cpu() -> None:
 
 
 def test_new_requests_count_as_queue_when_overloaded_and_by_their_cost_in_a_burst() -> None:
-    g = gate(burst_wait_s=0.2)
+    g = gate(request_cpu_s=0.002, burst_wait_s=0.2)
     g.on_lag(0.5, 0.030)                                   # short of CPU, not overloaded
     assert isinstance(g.try_admit(0.5, runnable=(0, 40)), Admit)   # 40 new x 2 ms (prior) < 200 ms
     g.request_cpu_s = 0.020                                # learnt: requests cost 20 ms
     assert isinstance(g.try_admit(0.5, runnable=(0, 10)), Reject)  # 10 x 20 ms: 200 ms of queue
     t = busy_for(g, 0.5, 2.0)
     assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(0, 2)), Reject)
+
+
+def test_overloaded_a_queue_of_cheap_requests_is_not_refused() -> None:
+    """8 closed-loop clients of a 5 ms endpoint: 7 wait, 35 ms of CPU < overload_wait_s."""
+    g = gate(request_cpu_s=0.005)
+    t = busy_for(g, 0.0, 2.0)
+    assert g.overloaded(t)
+    assert isinstance(g.try_admit(t, runnable=(3, 4)), Admit)
+    assert isinstance(g.try_admit(t, runnable=(4, 4)), Reject)
 
 
 def test_thread_pool_cpu_counts_as_one_waiting_request() -> None:
