@@ -260,20 +260,31 @@ class LimitsLoop:
         self._auto_source = source
         return self._decide(now, window, source, "; ".join(n for n in notes if n))
 
+    def _window_with(self, slots: Sequence[int]) -> NodeWindow:
+        """The last window, plus a placeholder for each slot it has not seen yet (a worker that has
+        not reported stats still gets an operator's override)."""
+        w = self._last_window or NodeWindow(duration_s=0.0)
+        have = {x.slot for x in w.workers}
+        missing = [WorkerWindow(slot=x) for x in slots if x not in have]
+        if not missing:
+            return w
+        return NodeWindow(**{**msgspec.structs.asdict(w), "workers": [*w.workers, *missing]})
+
     def override(self, now: float, *, slot: int | None = None, concurrency: int | None = None,
-                 rate: float | None = None) -> LimitsDecision:
+                 rate: float | None = None, slots: Sequence[int] = ()) -> LimitsDecision:
         """Operator: fix a slot's (or the node's total) concurrency and/or rate until ``clear_override``."""
         self._overrides[slot] = _Override(concurrency, rate)
-        return self._decide(now, self._last_window or NodeWindow(duration_s=0.0), "operator",
+        return self._decide(now, self._window_with(slots), "operator",
                             f"operator override for {'node' if slot is None else f'slot {slot}'}")
 
-    def clear_override(self, now: float, *, slot: int | None = None, everything: bool = False) -> LimitsDecision:
+    def clear_override(self, now: float, *, slot: int | None = None, everything: bool = False,
+                       slots: Sequence[int] = ()) -> LimitsDecision:
         """Back to "auto" for a slot, the node, or everything."""
         if everything:
             self._overrides.clear()
         else:
             self._overrides.pop(slot, None)
-        return self._decide(now, self._last_window or NodeWindow(duration_s=0.0), "auto",
+        return self._decide(now, self._window_with(slots), "auto",
                             f"override cleared for {'everything' if everything else 'node' if slot is None else f'slot {slot}'}")
 
     # --- SLO guard -------------------------------------------------------------------------------

@@ -251,27 +251,33 @@ class LimitsManager:
         """Operator override; returns the slots whose limits were recomputed (to ``push_acked``)."""
         now = time.monotonic()
         if node is not None:
-            return self._apply(node, self.loops[node].override(now, slot=None, concurrency=concurrency, rate=rate),
-                               push=push)
+            return self._apply(node, self.loops[node].override(now, slot=None, concurrency=concurrency, rate=rate,
+                                                               slots=self._slots_of(node)), push=push)
         touched: set[int] = set()
         for s in slots:
             n = self.sup.slots[s].plan.node
-            touched.update(self._apply(n, self.loops[n].override(now, slot=s, concurrency=concurrency, rate=rate),
-                                       push=push))
+            touched.update(self._apply(n, self.loops[n].override(now, slot=s, concurrency=concurrency, rate=rate,
+                                                                 slots=self._slots_of(n)), push=push))
         return sorted(touched)
+
+    def _slots_of(self, node: int) -> list[int]:
+        return [s.plan.slot for s in self.sup.slots.values() if s.plan.node == node]
 
     def auto(self, slots: list[int] | None, node: int | None, *, push: bool = True) -> list[int]:
         now = time.monotonic()
         touched: set[int] = set()
         if slots is None and node is None:
             for n, loop in self.loops.items():
-                touched.update(self._apply(n, loop.clear_override(now, everything=True), push=push))
+                touched.update(self._apply(n, loop.clear_override(now, everything=True, slots=self._slots_of(n)),
+                                           push=push))
         elif node is not None:
-            touched.update(self._apply(node, self.loops[node].clear_override(now, slot=None), push=push))
+            touched.update(self._apply(node, self.loops[node].clear_override(now, slot=None,
+                                                                             slots=self._slots_of(node)), push=push))
         else:
             for s in slots or []:
                 n = self.sup.slots[s].plan.node
-                touched.update(self._apply(n, self.loops[n].clear_override(now, slot=s), push=push))
+                touched.update(self._apply(n, self.loops[n].clear_override(now, slot=s, slots=self._slots_of(n)),
+                                           push=push))
         return sorted(touched)
 
     def status(self, slot: SlotState) -> dict[str, Any]:

@@ -107,3 +107,25 @@ def test_a_blocking_app_at_twice_its_capacity_gets_503s_and_keeps_serving() -> N
         assert all(r.headers.get("retry-after") and r.headers.get("connection") == "close" for r in refused)
         assert all(r.json()["error"]["type"] == "overloaded" for r in refused)
         assert {r.status_code for r in rs} <= {200, 503}
+
+
+def test_ratelimit_set_is_acknowledged_by_every_worker_and_caps_requests_in_flight() -> None:
+    pytest.importorskip("fastapi")
+    with Running(ARGS) as sup:
+        r = sup.ops("ratelimit", "set", "2")
+        assert r.returncode == 0, r.stderr
+        assert "applied by 2/2 workers" in r.stdout
+        show = json.loads(sup.ops("ratelimit", "show", "--json").stdout)
+        assert all(s["applied_epoch"] == s["epoch"] and s["concurrency"] == 2 for s in show["slots"])
+        base = f"http://127.0.0.1:{sup.port}"
+
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(timeout=30.0, limits=LIMITS) as c:
+                rs = await asyncio.gather(*(c.get(base + "/await?s=0.5") for _ in range(20)))
+                return [r.status_code for r in rs]
+
+        statuses = asyncio.run(main())
+        assert statuses.count(200) >= 2 and statuses.count(503) > 0   # an operator's cap counts everything
+        assert sup.ops("ratelimit", "auto").returncode == 0
+        statuses = asyncio.run(main())
+        assert statuses == [200] * 20                                  # back to the CPU limiter: awaits pass
