@@ -167,8 +167,10 @@ class CpuAdmissionMiddleware:
             if isinstance(d, Reject):
                 self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
                 body = error_body(d.status, f"request not admitted: {d.reason}")
+                # no Connection: close here: on a frame connection it would end every request
+                # multiplexed on it; uvicorn's h11 keeps the connection usable after a 503
                 await send({"type": "http.response.start", "status": d.status,
-                            "headers": [*error_headers(d.status, body, d.retry_after or 1), _CLOSE]})
+                            "headers": error_headers(d.status, body, d.retry_after or 1)})
                 await send({"type": "http.response.body", "body": body})
                 return
             permit = d.permit
