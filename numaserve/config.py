@@ -311,6 +311,11 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
         cfg = msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as e:
         msg = str(e)
+        r = re.match(r"(\w+) = (.*?): expected (.*) - at `\$\.(\w+)`$", msg)
+        if r:  # a range check of a loops settings Struct (numaserve.loops.checks.SettingError)
+            key, shown, expected, section = r.groups()
+            value = raw.get(section, {}).get(key, shown)
+            raise _bad(origin, section, key, value, expected) from None
         m = re.search(r"at `\$\.(\w+)\.(\w+)", msg)
         if m:
             section, key = m.group(1), m.group(2)

@@ -68,9 +68,15 @@ def set_(target: Any, reply_timeout: float, slot: int | None, node: int | None, 
         args["node"] = node
     else:
         args["all"] = True
-    _call(target, "ratelimit_set", args, timeout=reply_timeout)
+    res = _call(target, "ratelimit_set", args, timeout=reply_timeout)
+    acks = (res or {}).get("acks") or {} if isinstance(res, dict) else {}
+    ok = sum(1 for a in acks.values() if a.get("ok"))
     click.echo(f"set {value} on " + (f"slot {slot}" if slot is not None else f"node {node}" if node is not None
-                                     else "every slot") + " (until `numaserve ratelimit auto`)")
+                                     else "every slot") + f", applied by {ok}/{len(acks)} workers"
+               + " (until `numaserve ratelimit auto`)")
+    for key, a in sorted(acks.items()):
+        if not a.get("ok"):
+            click.echo(f"  slot {key}: not applied: {a.get('detail')}", err=True)
 
 
 @ratelimit.command("auto")

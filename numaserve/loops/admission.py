@@ -34,6 +34,7 @@ from typing import Any, Callable, Literal, Union
 
 import msgspec
 
+from numaserve.loops.checks import at_least, fraction, ordered, positive
 from numaserve.loops.gradient import GradientController, L1Outcome
 from numaserve.loops.trend import quantile
 
@@ -47,6 +48,7 @@ __all__ = [
     "Grant",
     "Outcome",
     "Permit",
+    "PushedLimits",
     "Queued",
     "Reject",
     "Rejected",
@@ -56,14 +58,39 @@ __all__ = [
 ]
 
 Outcome = Literal["ok", "dropped", "ignored", "bad_request"]
+Limiter = Literal["cpu", "gradient", "static"]
 _L1_OUTCOME: dict[str, L1Outcome] = {"ok": "ok", "dropped": "dropped", "ignored": "ignored", "bad_request": "ignored"}
 
 
 class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The worker-side L0 gate (FACTS-limits-leaks §9.2)."""
+    """The worker-side L0 gate (FACTS-limits-leaks §9.2; ``limiter = "cpu"``: ``numaserve.loops.cpu_gate``)."""
 
     enabled: bool = True                 # admission control in front of every worker's app
+    limiter: Limiter = "cpu"             # "cpu": shed on loop lag + requests waiting for CPU (default);
+                                         # "gradient": in-flight limit from service time (L1); "static"
     request_timeout_s: float = 0.0       # deadline per request when the client sends none (0: none)
+    # limiter "cpu" (numaserve.loops.cpu_gate)
+    lag_target_s: float = 0.010          # the loop is short of CPU while its smoothed lag is above this
+    lag_smoothing: float = 0.5           # weight of a new lag sample in the smoothed lag
+    cpu_concurrency: int = 2             # overloaded: admit only if fewer requests than this wait for CPU ...
+    overload_wait_s: float = 0.04        # ... or what they wait for is less CPU than this
+    cpu_burst: int = 8                   # short of CPU in a burst (not overloaded): the same bound ...
+    burst_wait_s: float = 0.1            # ... and all of them by their expected CPU (count × CPU per request)
+    busy_window_s: float = 0.5           # overloaded = the loop busy without an idle moment for the share
+    busy_threshold: float = 0.95         # busy_threshold of the recent past (time constant busy_window_s) ...
+    busy_release: float = 0.8            # ... and until that share falls below busy_release
+    max_inflight: int = 0                # safety cap on requests in flight, streams included (0: none)
+    probe_min_s: float = 0.001           # loop-lag probe period while the loop is busy ...
+    probe_max_s: float = 0.008           # ... growing to this while it is idle
+    sentinel: bool = True                # a thread answers 503 from the accept queue while the loop is stalled
+    stall_after_s: float = 0.002         # stalled: the probe is this late (while short of CPU) ...
+    stall_idle_after_s: float = 1.0      # ... or this late otherwise (a cold start, a GC pause: not overload)
+    stall_queue: int = 1                 # connections left waiting in the accept queue during a stall
+    close_when_overloaded: bool = False  # Connection: close on responses while shedding (clients come back
+                                         # through the accept queue, where the sentinel sees them)
+    overload_hold_s: float = 1.0         # "shedding" lasts this long after the last shed
+    gone_check_after_s: float = 0.02     # a request that waited longer is checked for a departed client
+    # limiters "gradient" and "static"
     queue_factor: float = 1.0            # wait-queue bound = ceil(factor × limit)
     queue_max: int = 4096                # absolute bound of the wait queue
     lifo_when_overloaded: bool = True
@@ -82,12 +109,21 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     baseline_windows: int = 60
 
     def __post_init__(self) -> None:
-        if self.queue_factor < 0 or self.queue_max < 0 or self.codel_interval_s <= 0:
-            raise ValueError("queue_factor, queue_max ≥ 0 and codel_interval_s > 0 required")
-        if not 0 < self.codel_target_min_s <= self.codel_target_max_s:
-            raise ValueError("need 0 < codel_target_min_s ≤ codel_target_max_s")
-        if not 1 <= self.retry_after_min_s <= self.retry_after_max_s:
-            raise ValueError("need 1 ≤ retry_after_min_s ≤ retry_after_max_s")
+        at_least(self, 0, "request_timeout_s", "queue_factor", "queue_max", "max_inflight", "stall_queue",
+                 "max_wait_factor", "burst_fraction", "static_limit", "baseline_windows", "overload_hold_s",
+                 "gone_check_after_s")
+        positive(self, "lag_target_s", "busy_window_s", "burst_wait_s", "overload_wait_s", "probe_min_s", "probe_max_s", "stall_after_s", "stall_idle_after_s",
+                 "codel_interval_s", "codel_target_min_s", "codel_target_max_s", "slough_factor",
+                 "throughput_tau_s", "baseline_window_s")
+        fraction(self, "lag_smoothing", "busy_threshold", "busy_release", low_open=True)
+        ordered(self, "busy_release", "busy_threshold")
+        fraction(self, "codel_target_fraction", low_open=True)
+        at_least(self, 1, "cpu_concurrency", "cpu_burst", "retry_after_min_s")
+        ordered(self, "cpu_concurrency", "cpu_burst")
+        ordered(self, "probe_min_s", "probe_max_s")
+        ordered(self, "stall_after_s", "stall_idle_after_s")
+        ordered(self, "codel_target_min_s", "codel_target_max_s")
+        ordered(self, "retry_after_min_s", "retry_after_max_s")
 
 
 # --- building blocks -------------------------------------------------------------------
@@ -201,6 +237,50 @@ class _Rate:
         return self.value
 
 
+class PushedLimits:
+    """What the supervisor pushed: an epoch, a rate quota (token bucket) and a leased ceiling.
+
+    ``concurrency`` is the lease ceiling (None: none), valid until
+    ``lease_expiry``; afterwards ``safe_concurrency`` (default: the last
+    ceiling) applies, never "unlimited".  The same epoch again renews the
+    lease.  ``rate`` None/0 = no quota; ``burst`` None = ``burst_fraction`` of rate.
+    """
+
+    __slots__ = ("burst_fraction", "epoch", "bucket", "_ceiling", "_lease_expiry", "_safe")
+
+    def __init__(self, burst_fraction: float, now: float) -> None:
+        self.burst_fraction = burst_fraction
+        self.epoch = 0
+        self.bucket = TokenBucket(0.0, 1.0, now)
+        self._ceiling: int | None = None
+        self._lease_expiry: float | None = None
+        self._safe: int | None = None
+
+    def set(self, now: float, epoch: int, *, rate: float | None = None, burst: float | None = None,
+            concurrency: int | None = None, lease_expiry: float | None = None,
+            safe_concurrency: int | None = None) -> bool:
+        """Apply; False (ignored) if ``epoch`` is older than the current one."""
+        if epoch < self.epoch:
+            return False
+        self.epoch = epoch
+        r = float(rate or 0.0)
+        b = burst if burst is not None else max(1.0, self.burst_fraction * r)
+        self.bucket.set(now, r, b)
+        self._ceiling = None if concurrency is None else max(0, int(concurrency))
+        self._lease_expiry = lease_expiry
+        self._safe = safe_concurrency
+        return True
+
+    def lease_expired(self, now: float) -> bool:
+        return self._lease_expiry is not None and now > self._lease_expiry
+
+    def ceiling(self, now: float) -> int | None:
+        """The lease ceiling in force at ``now`` (the safe value once the lease expired)."""
+        if self.lease_expired(now):
+            return self._safe if self._safe is not None else self._ceiling
+        return self._ceiling
+
+
 # --- decisions ----------------------------------------------------------------------------
 
 
@@ -311,11 +391,8 @@ class AdmissionMachine:
         self.s = settings
         self.controller = controller
         self._rng = rng or random.Random()
-        self.epoch = 0
-        self._ceiling: int | None = None
-        self._lease_expiry: float | None = None
-        self._safe: int | None = None
-        self._bucket = TokenBucket(0.0, 1.0, now)
+        self.pushed = PushedLimits(settings.burst_fraction, now)
+        self._bucket = self.pushed.bucket
         self._codel = CoDel(settings.codel_interval_s, settings.codel_target_min_s, settings.slough_factor, now)
         self._throughput = _Rate(settings.throughput_tau_s, now)
         self._queue: deque[Ticket] = deque()
@@ -334,26 +411,16 @@ class AdmissionMachine:
 
     # --- limits ------------------------------------------------------------------------------
 
+    @property
+    def epoch(self) -> int:
+        return self.pushed.epoch
+
     def set_limits(self, now: float, epoch: int, *, rate: float | None = None, burst: float | None = None,
                    concurrency: int | None = None, lease_expiry: float | None = None,
                    safe_concurrency: int | None = None) -> bool:
-        """Apply the supervisor's settings; False (ignored) if ``epoch`` is older than the current one.
-
-        ``concurrency`` is the lease ceiling (None: none), valid until
-        ``lease_expiry``; afterwards ``safe_concurrency`` (default: the last
-        ceiling) applies, never "unlimited".  The same epoch again renews the
-        lease.  ``rate`` None/0 = no quota; ``burst`` None = 10 % of rate.
-        """
-        if epoch < self.epoch:
-            return False
-        self.epoch = epoch
-        r = float(rate or 0.0)
-        b = burst if burst is not None else max(1.0, self.s.burst_fraction * r)
-        self._bucket.set(now, r, b)
-        self._ceiling = None if concurrency is None else max(0, int(concurrency))
-        self._lease_expiry = lease_expiry
-        self._safe = safe_concurrency
-        return True
+        """Apply the supervisor's settings (``PushedLimits.set``); False if ``epoch`` is stale."""
+        return self.pushed.set(now, epoch, rate=rate, burst=burst, concurrency=concurrency,
+                               lease_expiry=lease_expiry, safe_concurrency=safe_concurrency)
 
     def set_baseline(self, service_p50_s: float | None) -> None:
         """Baseline service time for the CoDel target when there is no L1 controller."""
@@ -370,9 +437,7 @@ class AdmissionMachine:
 
     def ceiling(self, now: float) -> int | None:
         """The lease ceiling in force at ``now`` (the safe value once the lease expired)."""
-        if self._lease_expiry is not None and now > self._lease_expiry:
-            return self._safe if self._safe is not None else self._ceiling
-        return self._ceiling
+        return self.pushed.ceiling(now)
 
     def limit(self, now: float) -> int:
         """In-flight limit = min(L1 limit, lease ceiling); a huge number if neither exists."""
@@ -530,7 +595,7 @@ class AdmissionMachine:
         ceil = self.ceiling(now)
         st = GateStats(
             epoch=self.epoch, limit=self.limit(now), l1_limit=None if ctl is None else ctl.limit,
-            ceiling=ceil, lease_expired=self._lease_expiry is not None and now > self._lease_expiry,
+            ceiling=ceil, lease_expired=self.pushed.lease_expired(now),
             rate=self._bucket.rate, burst=self._bucket.burst, inflight=self.inflight, queued=len(self._queue),
             max_inflight=self._max_inflight, admitted=c["admitted"], admitted_immediately=c["admitted_immediately"],
             completed=c["completed"], ok=c["ok"], status_400=c["400"], status_429=c["429"], status_500=c["500"],

@@ -33,6 +33,7 @@ from typing import Literal
 
 import msgspec
 
+from numaserve.loops.checks import at_least, fraction, ordered, positive
 from numaserve.loops.trend import quantile
 
 __all__ = ["GradientController", "GradientSettings", "GradientState", "L1Outcome"]
@@ -71,16 +72,18 @@ class GradientSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     baselines_kept: int = 3
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_limit <= self.initial_limit <= self.max_limit:
-            raise ValueError("need 1 ≤ min_limit ≤ initial_limit ≤ max_limit")
-        if not (0 < self.percentile < 1 and 0 <= self.probe_percentile < 1):
-            raise ValueError("percentiles must be in (0, 1)")
-        if not 0 < self.gradient_min <= 1 <= self.gradient_max:
-            raise ValueError("need 0 < gradient_min ≤ 1 ≤ gradient_max")
-        if self.window_s <= 0 or self.window_max_s < self.window_s or self.probe_samples < 1:
-            raise ValueError("need 0 < window_s ≤ window_max_s and probe_samples ≥ 1")
-        if not 0 < self.probe_fraction <= 1 or not 0 < self.decrease_smoothing <= 1:
-            raise ValueError("probe_fraction and decrease_smoothing must be in (0, 1]")
+        at_least(self, 1, "min_limit", "window_min_samples", "probe_samples", "baselines_kept")
+        at_least(self, 0, "buffer", "buffer_min_s", "headroom_min_gradient", "app_limited_ratio", "growth_cap_factor",
+                 "probe_interval_s", "probe_jitter", "probe_min_samples", "window_floor_samples",
+                 "floor_windows_before_probe")
+        positive(self, "initial_limit", "max_limit", "window_s", "window_max_s", "probe_max_s", "gradient_max")
+        ordered(self, "min_limit", "initial_limit")
+        ordered(self, "initial_limit", "max_limit")
+        ordered(self, "window_s", "window_max_s")
+        fraction(self, "percentile", low_open=True, high_open=True)
+        fraction(self, "probe_percentile", high_open=True)
+        fraction(self, "gradient_min", "probe_fraction", "decrease_smoothing", "drop_backoff", low_open=True)
+        at_least(self, 1, "gradient_max")
 
 
 class GradientState(msgspec.Struct, kw_only=True):

@@ -9,11 +9,20 @@ ceiling, rate, burst, lease) stamped with an epoch and who/why, to push as
   equal share of what is left; ``demand_i = min(L1_i, max in-flight + queued)``;
   ``budget = Σ L1_i``, capped by the SLO guard.  Workers enforce ``min(L1, C_i)``
   and fall back to a safe ceiling when the lease (10 s) is not renewed.
-- **SLO guard** (the documents' rule, made robust): node p90 *total* latency
-  above the SLO for 2 windows → all ceilings × 0.9 per window, node floor 5;
-  below 0.8 × SLO for 2 windows → +10 % per window until released.
+  Workers on the "cpu" limiter (the default) run no L1: they get no ceiling
+  at all (a stream or an await must never meet a concurrency cap) unless the
+  SLO guard or an operator sets one.
+- **SLO guard** (the documents' rule, made robust): node p90 *server-side
+  delay* (``slo_signal = "delay"``: how long requests waited for the worker's
+  loop — arrival to start, and the loop's lag — which a long stream or an
+  await cannot inflate) above the SLO for 2 windows → all ceilings × 0.9 per
+  window, node floor 5; below 0.8 × SLO for 2 windows → +10 % per window until
+  released.  ``slo_signal = "total"`` reads total latency, the documents'
+  literal rule (a 1 s stream then reads as a 1 s latency).
 - **Vegas** (the documents' rule, ``mode = "vegas"``): node token-bucket rate,
-  ``rtt − min_rtt`` < 5 ms → +10 %, > 20 ms → −25 %, else hold; ≥ 100 requests of
+  ``rtt − min_rtt`` < 5 ms → +10 %, > 20 ms → −25 %, else hold, where ``rtt``
+  is the server-side delay (``vegas_signal = "delay"``, default) or the total
+  latency (``"total"``, the literal reading); ≥ 100 requests of
   warm-up and per decision (``rtt`` = mean total latency of a window of ≥ 100
   completions, merged over 3 s intervals until reached); 10 % burst.  ``vegas_scaled`` (default) compares the window mean
   with the minimum window mean of the last 10 min and scales the thresholds to
@@ -31,6 +40,8 @@ from typing import Literal, Sequence
 
 import msgspec
 
+from numaserve.loops.checks import at_least, fraction, ordered, positive
+
 __all__ = [
     "LimitsDecision",
     "LimitsLoop",
@@ -41,7 +52,8 @@ __all__ = [
     "fair_share",
 ]
 
-Mode = Literal["gradient", "vegas", "static", "off"]
+Mode = Literal["auto", "gradient", "vegas", "static", "off"]
+Signal = Literal["delay", "total"]
 
 
 def fair_share(capacity: float, demands: Sequence[float]) -> list[float]:
@@ -71,7 +83,7 @@ def fair_share(capacity: float, demands: Sequence[float]) -> list[float]:
 class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The ``[limits]`` config section (FACTS-limits-leaks §9.4)."""
 
-    mode: Mode = "gradient"
+    mode: Mode = "auto"                  # "gradient" is the same (kept for old configs)
     interval_s: float = 3.0
     lease_s: float = 10.0
     worker_floor: int = 2
@@ -82,6 +94,7 @@ class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     burst_fraction: float = 0.1
     # SLO guard (modes gradient and vegas)
     slo_guard: bool = True
+    slo_signal: Signal = "delay"
     slo_ms: float = 200.0
     slo_windows: int = 2
     slo_backoff: float = 0.9
@@ -89,6 +102,7 @@ class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     slo_release_step: float = 0.1
     # Vegas rate mode
     vegas_scaled: bool = True
+    vegas_signal: Signal = "delay"
     vegas_initial_rps: float = 0.0       # 0: the observed completion rate when warm-up ends
     vegas_min_rps: float = 1.0
     vegas_max_rps: float = 1_000_000.0
@@ -104,14 +118,17 @@ class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vegas_app_limited_ratio: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.lease_s < self.interval_s:
-            raise ValueError("need 0 < interval_s ≤ lease_s")
-        if not 1 <= self.worker_floor <= self.worker_ceiling or self.node_floor < 1:
-            raise ValueError("need 1 ≤ worker_floor ≤ worker_ceiling and node_floor ≥ 1")
-        if not 0 < self.slo_backoff < 1 or self.slo_ms <= 0 or self.slo_windows < 1:
-            raise ValueError("need 0 < slo_backoff < 1, slo_ms > 0, slo_windows ≥ 1")
-        if not 0 < self.vegas_min_rps <= self.vegas_max_rps or not 0 < self.vegas_decrease < 1:
-            raise ValueError("need 0 < vegas_min_rps ≤ vegas_max_rps and 0 < vegas_decrease < 1")
+        positive(self, "interval_s", "lease_s", "slo_ms", "vegas_min_rps", "vegas_max_rps", "vegas_rebase_s")
+        at_least(self, 1, "worker_floor", "worker_ceiling", "node_floor", "slo_windows")
+        at_least(self, 0, "static_concurrency", "static_rate", "burst_fraction", "vegas_initial_rps",
+                 "vegas_warmup_requests", "vegas_min_window_requests", "vegas_low_ms", "vegas_high_ms",
+                 "vegas_low_ratio", "vegas_high_ratio", "vegas_increase", "slo_release_step")
+        fraction(self, "slo_backoff", "vegas_decrease", low_open=True, high_open=True)
+        fraction(self, "slo_release_ratio", "vegas_app_limited_ratio")
+        ordered(self, "interval_s", "lease_s")
+        ordered(self, "worker_floor", "worker_ceiling")
+        ordered(self, "vegas_min_rps", "vegas_max_rps")
+        ordered(self, "vegas_low_ms", "vegas_high_ms")
 
 
 class WorkerWindow(msgspec.Struct, kw_only=True):
@@ -128,7 +145,12 @@ class WorkerWindow(msgspec.Struct, kw_only=True):
 
 
 class NodeWindow(msgspec.Struct, kw_only=True):
-    """The node over the last window; latencies are *total* (queue + service), merged exactly."""
+    """The node over the last window; histograms merged exactly.
+
+    *total* = queue + service (+ a stream's whole life); *delay* = server-side
+    delay only: how long requests waited for the worker's loop (arrival →
+    start) plus its lag while they ran.
+    """
 
     duration_s: float
     completed: int = 0                   # successful responses
@@ -136,7 +158,19 @@ class NodeWindow(msgspec.Struct, kw_only=True):
     p90_total_s: float | None = None
     mean_total_s: float | None = None
     min_total_s: float | None = None     # smallest single total latency (unscaled Vegas)
+    p90_delay_s: float | None = None
+    mean_delay_s: float | None = None
+    min_delay_s: float | None = None
     workers: list[WorkerWindow] = []
+
+    def p90(self, signal: str) -> float | None:
+        return self.p90_delay_s if signal == "delay" else self.p90_total_s
+
+    def mean(self, signal: str) -> float | None:
+        return self.mean_delay_s if signal == "delay" else self.mean_total_s
+
+    def minimum(self, signal: str) -> float | None:
+        return self.min_delay_s if signal == "delay" else self.min_total_s
 
 
 class SlotLimits(msgspec.Struct, kw_only=True):
@@ -213,7 +247,7 @@ class LimitsLoop:
         notes: list[str] = []
         source = "auto: fair share"
         mode = self.s.mode
-        if mode in ("gradient", "vegas") and self.s.slo_guard:
+        if mode in ("auto", "gradient", "vegas") and self.s.slo_guard:
             slo_note = self._slo_step(window)
             if slo_note:
                 source = f"auto: {slo_note}"
@@ -226,20 +260,31 @@ class LimitsLoop:
         self._auto_source = source
         return self._decide(now, window, source, "; ".join(n for n in notes if n))
 
+    def _window_with(self, slots: Sequence[int]) -> NodeWindow:
+        """The last window, plus a placeholder for each slot it has not seen yet (a worker that has
+        not reported stats still gets an operator's override)."""
+        w = self._last_window or NodeWindow(duration_s=0.0)
+        have = {x.slot for x in w.workers}
+        missing = [WorkerWindow(slot=x) for x in slots if x not in have]
+        if not missing:
+            return w
+        return NodeWindow(**{**msgspec.structs.asdict(w), "workers": [*w.workers, *missing]})
+
     def override(self, now: float, *, slot: int | None = None, concurrency: int | None = None,
-                 rate: float | None = None) -> LimitsDecision:
+                 rate: float | None = None, slots: Sequence[int] = ()) -> LimitsDecision:
         """Operator: fix a slot's (or the node's total) concurrency and/or rate until ``clear_override``."""
         self._overrides[slot] = _Override(concurrency, rate)
-        return self._decide(now, self._last_window or NodeWindow(duration_s=0.0), "operator",
+        return self._decide(now, self._window_with(slots), "operator",
                             f"operator override for {'node' if slot is None else f'slot {slot}'}")
 
-    def clear_override(self, now: float, *, slot: int | None = None, everything: bool = False) -> LimitsDecision:
+    def clear_override(self, now: float, *, slot: int | None = None, everything: bool = False,
+                       slots: Sequence[int] = ()) -> LimitsDecision:
         """Back to "auto" for a slot, the node, or everything."""
         if everything:
             self._overrides.clear()
         else:
             self._overrides.pop(slot, None)
-        return self._decide(now, self._last_window or NodeWindow(duration_s=0.0), "auto",
+        return self._decide(now, self._window_with(slots), "auto",
                             f"override cleared for {'everything' if everything else 'node' if slot is None else f'slot {slot}'}")
 
     # --- SLO guard -------------------------------------------------------------------------------
@@ -251,7 +296,7 @@ class LimitsLoop:
     def _slo_step(self, w: NodeWindow) -> str:
         s = self.s
         slo = s.slo_ms / 1000.0
-        p90 = w.p90_total_s
+        p90 = w.p90(s.slo_signal)
         if p90 is None or w.completed == 0:
             return ""
         if p90 > slo:
@@ -281,11 +326,12 @@ class LimitsLoop:
     def _vegas_step(self, now: float, w: NodeWindow) -> str:
         s = self.s
         self._seen += w.completed
-        if w.min_total_s is not None:
-            self._min_rtt = w.min_total_s if self._min_rtt is None else min(self._min_rtt, w.min_total_s)
-        if w.mean_total_s is not None and w.completed > 0:
+        lo, mean = w.minimum(s.vegas_signal), w.mean(s.vegas_signal)
+        if lo is not None:
+            self._min_rtt = lo if self._min_rtt is None else min(self._min_rtt, lo)
+        if mean is not None and w.completed > 0:
             self._acc_n += w.completed
-            self._acc_sum += w.mean_total_s * w.completed
+            self._acc_sum += mean * w.completed
         self._acc_admitted += w.admitted
         self._acc_dur += w.duration_s
         if self._seen < s.vegas_warmup_requests:
@@ -336,6 +382,8 @@ class LimitsLoop:
             per = s.static_concurrency or s.worker_ceiling
             ceilings = [per] * n
             budget = float(per * n)
+        elif self.slo_cap is None and workers and all(x.l1_limit is None for x in workers):
+            ceilings = [None] * n   # "cpu" limiters: the workers shed on CPU; no cap on streams
         else:
             natural = self._natural_budget(w)
             budget = natural if self.slo_cap is None else min(natural, self.slo_cap)

@@ -12,12 +12,19 @@ A new worker gets its slot's current limits right after its Hello.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from numaserve.loops.supervisor_limits import LimitsDecision, LimitsLoop, NodeWindow, SlotLimits, WorkerWindow
+from numaserve.loops.supervisor_limits import (
+    LimitsDecision,
+    LimitsLoop,
+    NodeWindow,
+    SlotLimits,
+    WorkerWindow,
+)
 from numaserve.worker.stats import BUCKET_UPPER_MS
 
 if TYPE_CHECKING:
@@ -44,14 +51,22 @@ def bucket_quantile(counts: list[int], q: float) -> float | None:
     return None
 
 
+def _add(into: list[int], counts: list[int]) -> None:
+    if len(into) < len(counts):
+        into.extend([0] * (len(counts) - len(into)))
+    for i, v in enumerate(counts):
+        into[i] += v
+
+
 class LimitsManager:
-    def __init__(self, sup: "Supervisor") -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         now = time.monotonic()
         nodes = sorted({s.plan.node for s in sup.slots.values()})
         self.loops = {n: LimitsLoop(sup.cfg.limits, now) for n in nodes}
         self.current: dict[int, SlotLimits] = {}
         self.epochs: dict[int, int] = {}
+        self.acked: dict[int, int | None] = {}   # epoch each slot's worker acknowledged
         self.reasons: dict[int, str] = {}
         self.last_decision: dict[int, dict[str, Any]] = {}
         self._prev: dict[tuple[int, int], dict[str, Any]] = {}
@@ -63,32 +78,35 @@ class LimitsManager:
 
     # ----------------------------------------------------------------- window
 
-    def _worker_window(self, slot: "SlotState", w: "WorkerProc") -> tuple[WorkerWindow, dict[str, Any]] | None:
+    def _worker_window(self, slot: SlotState, w: WorkerProc) -> tuple[WorkerWindow, dict[str, Any]] | None:
         st = w.stats
         if st is None or not isinstance(st.extra, dict):
             return None
         gate = st.extra.get("admission")
         if not isinstance(gate, dict):
             return None
-        buckets = list(st.extra.get("latency_buckets") or [])
-        cur = {
+        cur: dict[str, Any] = {
             "admitted": int(gate.get("admitted", 0)),
             "rejected": sum(int(v) for v in (gate.get("shed") or {}).values()),
             "completed": int(gate.get("ok", 0)),
-            "buckets": buckets,
+            "buckets": list(st.extra.get("latency_buckets") or []),
             "sum_ms": float(st.extra.get("latency_sum_ms", 0.0)),
             "count": int(st.extra.get("latency_count", 0)),
         }
+        for name in ("delay", "lag"):  # server-side delay signals of the "cpu" limiter
+            cur[f"{name}_buckets"] = list(gate.get(f"{name}_buckets") or [])
+            cur[f"{name}_sum_ms"] = float(gate.get(f"{name}_sum_ms") or 0.0)
+            cur[f"{name}_count"] = int(gate.get(f"{name}_count") or 0)
         key = (slot.plan.slot, w.generation)
-        prev = self._prev.get(key)
+        prev = self._prev.get(key) or {}
         self._prev[key] = cur
-        if prev is None:
-            prev = {"admitted": 0, "rejected": 0, "completed": 0, "buckets": [0] * len(buckets), "sum_ms": 0.0,
-                    "count": 0}
-        delta = {k: cur[k] - prev[k] for k in ("admitted", "rejected", "completed", "count")}
-        delta["sum_ms"] = cur["sum_ms"] - prev["sum_ms"]
-        pb = prev["buckets"] + [0] * (len(buckets) - len(prev["buckets"]))
-        delta["buckets"] = [max(0, a - b) for a, b in zip(buckets, pb)]
+        delta: dict[str, Any] = {}
+        for k, v in cur.items():
+            if isinstance(v, list):
+                pb = list(prev.get(k) or []) + [0] * max(0, len(v) - len(prev.get(k) or []))
+                delta[k] = [max(0, a - b) for a, b in zip(v, pb)]
+            else:
+                delta[k] = v - prev.get(k, 0)
         ww = WorkerWindow(
             slot=slot.plan.slot,
             l1_limit=gate.get("l1_limit"),
@@ -104,6 +122,9 @@ class LimitsManager:
     def _node_window(self, node: int, now: float) -> NodeWindow:
         workers: list[WorkerWindow] = []
         merged: list[int] = []
+        hists: dict[str, list[int]] = {"delay": [], "lag": []}
+        sums: dict[str, float] = {"delay": 0.0, "lag": 0.0}
+        counts: dict[str, int] = {"delay": 0, "lag": 0}
         completed = admitted = count = 0
         sum_ms = 0.0
         for slot in self.sup.slots.values():
@@ -122,7 +143,14 @@ class LimitsManager:
                 merged.extend([0] * (len(d["buckets"]) - len(merged)))
             for i, v in enumerate(d["buckets"]):
                 merged[i] += v
+            for name, h in hists.items():
+                _add(h, d[f"{name}_buckets"])
+                sums[name] += max(0.0, d[f"{name}_sum_ms"])
+                counts[name] += max(0, d[f"{name}_count"])
         first = next((i for i, c in enumerate(merged) if c), None)
+        p90s = [q for q in (bucket_quantile(hists["delay"], 0.9), bucket_quantile(hists["lag"], 0.9)) if q is not None]
+        means = [sums[n] / counts[n] / 1000.0 for n in ("delay", "lag") if counts[n]]
+        d_first = next((i for i, c in enumerate(hists["delay"]) if c), None)
         return NodeWindow(
             duration_s=max(0.001, now - self._last_tick.get(node, now - self.sup.cfg.limits.interval_s)),
             completed=completed,
@@ -130,6 +158,9 @@ class LimitsManager:
             p90_total_s=bucket_quantile(merged, 0.9),
             mean_total_s=(sum_ms / count / 1000.0) if count else None,
             min_total_s=(BUCKET_UPPER_MS[first - 1] / 1000.0 if first else 0.0) if first is not None else None,
+            p90_delay_s=max(p90s) if p90s else None,
+            mean_delay_s=sum(means) if means else None,
+            min_delay_s=(BUCKET_UPPER_MS[d_first - 1] / 1000.0 if d_first else 0.0) if d_first is not None else None,
             workers=workers,
         )
 
@@ -149,7 +180,7 @@ class LimitsManager:
             if decision is not None:
                 self._apply(node, decision)
 
-    def _apply(self, node: int, d: LimitsDecision) -> None:
+    def _apply(self, node: int, d: LimitsDecision, *, push: bool = True) -> list[int]:
         if d.changed:
             log.info(
                 "limits",
@@ -163,7 +194,33 @@ class LimitsManager:
             self.current[s.slot] = s
             self.epochs[s.slot] = d.epoch
             self.reasons[s.slot] = d.reason or d.source
-            self.push(s.slot)
+            if push:
+                self.push(s.slot)
+        return [s.slot for s in d.slots]
+
+    async def push_acked(self, slots: list[int], timeout: float = 5.0) -> dict[str, Any]:
+        """Push the slots' current limits to their workers at once and wait for every Ack.
+
+        The operator's ``ratelimit set`` returns when each worker has applied
+        the new epoch (or says which did not answer), not a stats report later.
+        """
+        waits: list[tuple[int, Any, Any]] = []
+        for slot in slots:
+            args = self.args_for(slot)
+            st = self.sup.slots.get(slot)
+            if args is None or st is None:
+                continue
+            for w in (st.worker, st.incoming):
+                if w is not None and w.identity is not None and not w.external and w.popen.poll() is None:
+                    waits.append((slot, w, self.sup.broadcast_one(w, "set_limits", args, timeout=timeout)))
+        results = await asyncio.gather(*(c for _, _, c in waits)) if waits else []
+        out: dict[str, Any] = {}
+        for (slot, w, _), res in zip(waits, results):
+            key = str(slot) if w is self.sup.slots[slot].worker else f"{slot}/incoming"
+            out[key] = {"pid": w.pid, "epoch": self.epochs.get(slot), **res}
+            if res.get("ok") and w is self.sup.slots[slot].worker:
+                self.acked[slot] = self.epochs.get(slot)
+        return out
 
     def args_for(self, slot: int) -> dict[str, Any] | None:
         s = self.current.get(slot)
@@ -181,7 +238,7 @@ class LimitsManager:
             if w is not None:
                 self.sup.send_command(w, "set_limits", args)
 
-    def on_hello(self, slot: "SlotState", w: "WorkerProc") -> None:
+    def on_hello(self, slot: SlotState, w: WorkerProc) -> None:
         """A new worker starts at its slot's current epoch."""
         args = self.args_for(slot.plan.slot)
         if args is not None:
@@ -189,29 +246,41 @@ class LimitsManager:
 
     # --------------------------------------------------------------- operator
 
-    def override(self, slots: list[int], node: int | None, concurrency: int | None, rate: float | None) -> None:
+    def override(self, slots: list[int], node: int | None, concurrency: int | None, rate: float | None, *,
+                 push: bool = True) -> list[int]:
+        """Operator override; returns the slots whose limits were recomputed (to ``push_acked``)."""
         now = time.monotonic()
         if node is not None:
-            self._apply(node, self.loops[node].override(now, slot=None, concurrency=concurrency, rate=rate))
-            return
+            return self._apply(node, self.loops[node].override(now, slot=None, concurrency=concurrency, rate=rate,
+                                                               slots=self._slots_of(node)), push=push)
+        touched: set[int] = set()
         for s in slots:
             n = self.sup.slots[s].plan.node
-            self._apply(n, self.loops[n].override(now, slot=s, concurrency=concurrency, rate=rate))
+            touched.update(self._apply(n, self.loops[n].override(now, slot=s, concurrency=concurrency, rate=rate,
+                                                                 slots=self._slots_of(n)), push=push))
+        return sorted(touched)
 
-    def auto(self, slots: list[int] | None, node: int | None) -> None:
+    def _slots_of(self, node: int) -> list[int]:
+        return [s.plan.slot for s in self.sup.slots.values() if s.plan.node == node]
+
+    def auto(self, slots: list[int] | None, node: int | None, *, push: bool = True) -> list[int]:
         now = time.monotonic()
+        touched: set[int] = set()
         if slots is None and node is None:
             for n, loop in self.loops.items():
-                self._apply(n, loop.clear_override(now, everything=True))
-            return
-        if node is not None:
-            self._apply(node, self.loops[node].clear_override(now, slot=None))
-            return
-        for s in slots or []:
-            n = self.sup.slots[s].plan.node
-            self._apply(n, self.loops[n].clear_override(now, slot=s))
+                touched.update(self._apply(n, loop.clear_override(now, everything=True, slots=self._slots_of(n)),
+                                           push=push))
+        elif node is not None:
+            touched.update(self._apply(node, self.loops[node].clear_override(now, slot=None,
+                                                                             slots=self._slots_of(node)), push=push))
+        else:
+            for s in slots or []:
+                n = self.sup.slots[s].plan.node
+                touched.update(self._apply(n, self.loops[n].clear_override(now, slot=s, slots=self._slots_of(n)),
+                                           push=push))
+        return sorted(touched)
 
-    def status(self, slot: "SlotState") -> dict[str, Any]:
+    def status(self, slot: SlotState) -> dict[str, Any]:
         s = self.current.get(slot.plan.slot)
         w = slot.worker
         gate = w.stats.extra.get("admission") if w and w.stats and isinstance(w.stats.extra, dict) else None
@@ -221,9 +290,20 @@ class LimitsManager:
             "rate": round(s.rate, 3) if s and s.rate is not None else None,
             "burst": round(s.burst, 3) if s and s.burst is not None else None,
             "epoch": self.epochs.get(slot.plan.slot),
-            "applied_epoch": gate.get("epoch") if isinstance(gate, dict) else None,
+            "applied_epoch": max((e for e in (gate.get("epoch") if isinstance(gate, dict) else None,
+                                             self.acked.get(slot.plan.slot)) if e is not None), default=None),
             "source": s.source if s else None,
             "reason": self.reasons.get(slot.plan.slot),
             "effective_limit": gate.get("limit") if isinstance(gate, dict) else None,
             "l1_limit": gate.get("l1_limit") if isinstance(gate, dict) else None,
+            "limiter": gate.get("limiter", "gradient") if isinstance(gate, dict) else None,
+            "gate": _gate_summary(gate) if isinstance(gate, dict) else None,
         }
+
+
+def _gate_summary(gate: dict[str, Any]) -> dict[str, Any]:
+    """What the worker's gate is doing now (status, ``ratelimit show``): the CPU signals and sheds."""
+    keys = ("inflight", "max_inflight", "lag_s", "lag_max_s", "short_of_cpu", "overloaded", "shedding",
+            "other_threads_cpu", "request_cpu_s",
+            "client_gone", "shed", "sentinel", "codel_overloaded", "queued")
+    return {k: gate[k] for k in keys if k in gate}

@@ -225,8 +225,11 @@ async def _ratelimit_set(sup: "Supervisor", args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args) if node is None else []
     if node is not None and node not in sup.limits.loops:
         raise OpsArgError(f"no slot on node {node}")
-    sup.limits.override([s.plan.slot for s in slots], node, conc, None if rate is None else float(rate))
-    return {"state": "applied", "slots": [sup.limits.status(s) | {"slot": s.plan.slot} for s in sup.slots.values()]}
+    touched = sup.limits.override([s.plan.slot for s in slots], node, conc, None if rate is None else float(rate),
+                                  push=False)
+    acks = await sup.limits.push_acked(touched)   # every worker applied it when this returns
+    return {"state": "applied" if all(a.get("ok") for a in acks.values()) else "partly applied", "acks": acks,
+            "slots": [sup.limits.status(s) | {"slot": s.plan.slot} for s in sup.slots.values()]}
 
 
 @verb("ratelimit_auto", mutating=True)
@@ -237,8 +240,9 @@ async def _ratelimit_auto(sup: "Supervisor", args: dict[str, Any]) -> Any:
     slot = arg_int(args, "slot")
     if slot is not None and slot not in sup.slots:
         raise OpsArgError(f"no slot {slot}")
-    sup.limits.auto(None if slot is None and node is None else ([slot] if slot is not None else []), node)
-    return {"state": "auto"}
+    touched = sup.limits.auto(None if slot is None and node is None else ([slot] if slot is not None else []), node,
+                              push=False)
+    return {"state": "auto", "acks": await sup.limits.push_acked(touched)}
 
 
 from numaserve.supervisor import ops_cache  # noqa: E402,F401  (registers the cache verbs)

@@ -1,5 +1,14 @@
 """Admission control in front of the app: the L0 gate as ASGI middleware.
 
+``CpuAdmissionMiddleware`` (limiter "cpu", the default) finishes what the
+protocol started (``numaserve.worker.shedding``): the protocol admitted the
+request at head-complete and left its permit in the scope; here the permit
+is released when the request ends, a request whose client left while it
+waited is not run, responses say ``Connection: close`` while the worker is
+shedding, and deadlines give 504.  Requests the protocol did not see (frames,
+h11) are decided here, by the same gate.  ``AdmissionMiddleware`` is the
+gate of limiters "gradient" and "static" (in-flight limit + queue).
+
 Each HTTP request asks the gate for a permit before the app sees it (and
 before its body is read, so rejections are cheap).  Rejections are answered
 at once with the fixed error classes: **503** + ``Retry-After`` (overload),
@@ -15,12 +24,27 @@ default; none otherwise.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from numaserve.loops.admission import AdmissionGate, AdmissionMachine, AdmissionSettings, Rejected
+from numaserve.errors_http import error_body as _error_body
+from numaserve.errors_http import error_headers
+from numaserve.loops.admission import (
+    AdmissionGate,
+    AdmissionMachine,
+    AdmissionSettings,
+    Reject,
+    Rejected,
+)
 from numaserve.loops.gradient import GradientController, GradientSettings
+from numaserve.worker.shedding import (
+    CONN_KEY,
+    PERMIT_KEY,
+    AdmissionRuntime,
+    request_deadline,
+    runnable_tasks,
+)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -39,7 +63,8 @@ def make_gate(settings: AdmissionSettings, gradient: GradientSettings | None,
 
 
 def error_body(status: int, message: str) -> bytes:
-    return json.dumps({"error": {"type": REASONS.get(status, "error"), "code": status, "message": message}}).encode()
+    """The shared error body (``numaserve.errors_http``)."""
+    return _error_body(status, message)
 
 
 async def send_error(send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -53,6 +78,123 @@ async def send_error(send: Send, status: int, message: str, headers: list[tuple[
     await send({"type": "http.response.body", "body": body})
 
 
+_CLOSE = (b"connection", b"close")
+
+
+def _with_close(message: dict[str, Any]) -> dict[str, Any]:
+    headers = list(message.get("headers", ()))
+    if not any(k.lower() == b"connection" for k, _ in headers):
+        headers.append(_CLOSE)
+    return {**message, "headers": headers}
+
+
+class _Guarded:
+    """Runs the app under a request's deadline and records the outcome for the gate.
+
+    504 if the deadline passes before the response started; the outcome is
+    set even when the app raises (read it in a ``finally``).
+    """
+
+    __slots__ = ("outcome",)
+
+    def __init__(self) -> None:
+        self.outcome = "ok"
+
+    async def run(self, app: Any, scope: Scope, receive: Receive, send: Send, deadline: float | None,
+                  clock: Callable[[], float], close_if: Callable[[], bool] | None = None) -> None:
+        started = False
+        status = 500
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started = True
+                status = int(message["status"])
+                if close_if is not None and close_if():
+                    message = _with_close(message)
+            await send(message)
+
+        try:
+            if deadline is None:
+                await app(scope, receive, tracking_send)
+            else:
+                async with asyncio.timeout(max(0.0, deadline - clock())):
+                    await app(scope, receive, tracking_send)
+            if status >= 500:
+                self.outcome = "dropped" if status == 504 else "ignored"
+            elif status == 400:
+                self.outcome = "bad_request"
+        except TimeoutError:
+            self.outcome = "dropped"
+            if not started:
+                await send_error(send, 504, "deadline passed while the request ran")
+                return
+            raise
+        except asyncio.CancelledError:
+            self.outcome = "dropped"
+            raise
+        except Exception:
+            self.outcome = "ignored"
+            raise
+
+
+class CpuAdmissionMiddleware:
+    """The ASGI half of limiter "cpu" (see the module docstring)."""
+
+    def __init__(self, app: Any, rt: AdmissionRuntime) -> None:
+        self.app = app
+        self.rt = rt
+        self.gate = rt.gate
+        self.default_timeout_s = rt.s.request_timeout_s
+        self.close_when_overloaded = rt.s.close_when_overloaded
+        self.gone_after = rt.s.gone_check_after_s
+        self.rejected: dict[int, int] = {}
+
+    def _deadline(self, scope: Scope, arrived: float) -> float | None:
+        return request_deadline(scope.get("headers") or (), arrived, self.default_timeout_s)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rt = self.rt
+        gate = self.gate
+        now = rt.clock()
+        permit = scope.pop(PERMIT_KEY, None)
+        conn = scope.pop(CONN_KEY, None)
+        if permit is None:  # not decided at the protocol (frames, h11)
+            d = gate.try_admit(now, deadline=self._deadline(scope, now), runnable=runnable_tasks)
+            if isinstance(d, Reject):
+                self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
+                body = error_body(d.status, f"request not admitted: {d.reason}")
+                # no Connection: close here: on a frame connection it would end every request
+                # multiplexed on it; uvicorn's h11 keeps the connection usable after a 503
+                await send({"type": "http.response.start", "status": d.status,
+                            "headers": error_headers(d.status, body, d.retry_after or 1)})
+                await send({"type": "http.response.body", "body": body})
+                return
+            permit = d.permit
+            rt.admitted()
+        elif conn is not None and now - permit.enqueued_at > self.gone_after and rt.client_gone(conn):
+            gate.client_gone(now, permit)  # waited so long its client left: do not run it
+            rt.finished()
+            return
+        rt.started(permit, now)
+        run = _Guarded()
+        close_if = (lambda: gate.shedding(rt.clock())) if self.close_when_overloaded else None
+        try:
+            await run.run(self.app, scope, receive, send, permit.deadline, rt.clock, close_if)
+        finally:
+            gate.release(rt.clock(), permit, run.outcome)  # type: ignore[arg-type]
+            rt.finished()
+
+    def snapshot(self) -> dict[str, Any]:
+        out = self.rt.snapshot()
+        for k, v in self.rejected.items():
+            out["rejected_by_status"][str(k)] = out["rejected_by_status"].get(str(k), 0) + v
+        return out
+
+
 class AdmissionMiddleware:
     def __init__(self, app: Any, gate: AdmissionGate, *, default_timeout_s: float = 0.0) -> None:
         self.app = app
@@ -61,15 +203,7 @@ class AdmissionMiddleware:
         self.rejected: dict[int, int] = {}
 
     def _deadline(self, scope: Scope, now: float) -> float | None:
-        for name, value in scope.get("headers") or ():
-            if name == DEADLINE_HEADER:
-                try:
-                    t = float(value)
-                except ValueError:
-                    break
-                if t > 0:
-                    return now + t
-        return now + self.default_timeout_s if self.default_timeout_s > 0 else None
+        return request_deadline(scope.get("headers") or (), now, self.default_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,42 +217,11 @@ class AdmissionMiddleware:
             self.rejected[r.status] = self.rejected.get(r.status, 0) + 1
             await send_error(send, r.status, f"request not admitted: {r.reason}", r.headers())
             return
-        started = False
-        status = 500
-
-        async def tracking_send(message: dict[str, Any]) -> None:
-            nonlocal started, status
-            if message["type"] == "http.response.start":
-                started = True
-                status = int(message["status"])
-            await send(message)
-
-        outcome = "ok"
+        run = _Guarded()
         try:
-            if deadline is None:
-                await self.app(scope, receive, tracking_send)
-            else:
-                remaining = max(0.0, deadline - self.gate.clock())
-                async with asyncio.timeout(remaining):
-                    await self.app(scope, receive, tracking_send)
-            if status >= 500:
-                outcome = "dropped" if status == 504 else "ignored"
-            elif status == 400:
-                outcome = "bad_request"
-        except TimeoutError:
-            outcome = "dropped"
-            if not started:
-                await send_error(send, 504, "deadline passed while the request ran")
-                return
-            raise
-        except asyncio.CancelledError:
-            outcome = "dropped"
-            raise
-        except Exception:
-            outcome = "ignored"
-            raise
+            await run.run(self.app, scope, receive, send, deadline, self.gate.clock)
         finally:
-            self.gate.release(permit, outcome)  # type: ignore[arg-type]
+            self.gate.release(permit, run.outcome)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.gate.machine.snapshot(self.gate.clock(), reset_max=True)

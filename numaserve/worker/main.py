@@ -108,6 +108,7 @@ class Worker:
         self._stop_reason: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopper: asyncio.Task[None] | None = None
+        self._sentinel_start: Any = None  # starts the admission sentinel once serving
 
     # --- actions (called by the dispatcher, SIGTERM, the orphan check) ---------
 
@@ -130,11 +131,17 @@ class Worker:
                 if args.get(key) is not None:
                     kw[key] = float(args[key]) if key in ("rate", "burst") else int(args[key])
             if args.get("lease_s") is not None:
-                kw["lease_expiry"] = self.admission.gate.clock() + float(args["lease_s"])
+                kw["lease_expiry"] = time.monotonic() + float(args["lease_s"])
         except (KeyError, TypeError, ValueError) as e:
             return False, f"bad set_limits arguments: {e}"
-        ok = self.admission.gate.set_limits(epoch, **kw)
-        return ok, f"epoch {epoch} {'applied' if ok else 'stale: kept ' + str(self.admission.gate.machine.epoch)}"
+        gate = self.admission.gate
+        if hasattr(gate, "machine"):   # limiters "gradient"/"static": the asyncio AdmissionGate
+            ok = gate.set_limits(epoch, **kw)
+            current = gate.machine.epoch
+        else:                          # limiter "cpu": the pure CpuGate, on this loop
+            ok = gate.set_limits(self.admission.rt.clock(), epoch, **kw)
+            current = gate.epoch
+        return ok, f"epoch {epoch} {'applied' if ok else 'stale: kept ' + str(current)}"
 
     def _begin_stop(self, deadline: float, reason: str) -> None:
         end = time.monotonic() + deadline
@@ -149,6 +156,12 @@ class Worker:
             if reason != "drained":
                 self._stop_reason = reason
 
+    def _stop_sentinel(self) -> None:
+        rt = getattr(self.admission, "rt", None)
+        if rt is not None:
+            rt.stop_sentinel()
+            rt.probe.stop()
+
     def _remaining(self) -> float:
         assert self._stop_deadline is not None
         return self._stop_deadline - time.monotonic()
@@ -160,6 +173,7 @@ class Worker:
         if server is None:  # not serving yet: run() checks the deadline before serving
             return
         server.stop_accepting()
+        self._stop_sentinel()
         grace_end = time.monotonic() + min(IDLE_GRACE, max(0.0, self._remaining()) / 2)
         while server.connection_count > server.websocket_count and time.monotonic() < grace_end:
             await asyncio.sleep(_POLL)
@@ -182,6 +196,8 @@ class Worker:
     def _on_started(self) -> None:
         if self._stop_deadline is not None:
             return
+        if self._sentinel_start is not None:
+            self._sentinel_start()
         self._post(Ready(slot=self.spec.slot, generation=self.spec.generation))
         self.log.info("ready")
 
@@ -226,6 +242,10 @@ class Worker:
                 extra["admission"] = gate
                 snap["queued"] = gate["queued"]
                 snap["shed"] = sum(gate["shed"].values())
+                for code, n in (gate.get("unserved_by_status") or {}).items():  # answered by the protocol/sentinel
+                    cls = f"{code[0]}xx"
+                    snap["status_classes"][cls] = snap["status_classes"].get(cls, 0) + n
+                    snap["requests"] += n
                 snap["limits_epoch"] = gate["epoch"]
             self._post(Stats(slot=spec.slot, generation=spec.generation, **snap))
 
@@ -274,6 +294,7 @@ class Worker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._stop_sentinel()
             loop.remove_signal_handler(signal.SIGTERM)
         self._post(Goodbye(slot=self.spec.slot, generation=self.spec.generation, reason=reason))
         self.log.info("goodbye", reason=reason, exit_code=code)
@@ -320,15 +341,30 @@ class Worker:
             app = CacheMiddleware(app, self.cache)
 
         inner: Any = BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats)
-        if spec.admission.enabled:
+        runtime = None
+        if spec.admission.enabled and spec.admission.limiter == "cpu":
+            from numaserve.worker.admission_mw import CpuAdmissionMiddleware
+            from numaserve.worker.shedding import AdmissionRuntime
+
+            runtime = AdmissionRuntime(spec.admission)
+            self.admission = CpuAdmissionMiddleware(inner, runtime)
+            inner = self.admission
+        elif spec.admission.enabled:
             from numaserve.worker.admission_mw import AdmissionMiddleware, make_gate, tick_forever
 
-            self.admission = AdmissionMiddleware(inner, make_gate(spec.admission, spec.gradient),
-                                                 default_timeout_s=spec.admission.request_timeout_s)
+            self.admission = AdmissionMiddleware(
+                inner, make_gate(spec.admission, spec.gradient if spec.admission.limiter == "gradient" else None),
+                default_timeout_s=spec.admission.request_timeout_s)
             inner = self.admission
             self._spawn(tick_forever(self.admission.gate))
         wrapped = MetricsMiddleware(inner, self.stats, self.lifespan)
-        self.server = WorkerServer(build_config(spec, wrapped, stats=self.stats), on_started=self._on_started)
+        self.server = WorkerServer(build_config(spec, wrapped, stats=self.stats, admission=runtime),
+                                   on_started=self._on_started)
+        if runtime is not None and not spec.tls.enabled:  # TLS: the sentinel cannot answer
+            server = self.server
+            loop = asyncio.get_running_loop()
+            self._sentinel_start = lambda: runtime.start_sentinel(
+                socks, lambda sock: loop.call_soon_threadsafe(server.adopt, sock))
         await asyncio.sleep(0)  # let queued control messages (an early Stop) run
         if self._stop_deadline is not None:
             for s in socks:

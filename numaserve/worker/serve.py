@@ -264,9 +264,17 @@ def with_locality(protocol: Any, stats: Any, node_cpus: Sequence[int]) -> Any:
     return LocalityCounting
 
 
-def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None) -> uvicorn.Config:
-    """The uvicorn Config for this worker (logging left to us: ``log_config=None``)."""
+def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: Any = None) -> uvicorn.Config:
+    """The uvicorn Config for this worker (logging left to us: ``log_config=None``).
+
+    ``admission``: an ``AdmissionRuntime`` deciding admission in the HTTP
+    protocol at head-complete (httptools only; h11 is decided by the middleware).
+    """
     http = _http_protocol(spec)
+    if admission is not None and not isinstance(http, str):
+        from numaserve.worker.shedding import admission_protocol
+
+        http = admission_protocol(http, admission)
     if spec.framing.enabled:  # frames and HTTP on the same port (numaserve.worker.sniff)
         from numaserve.worker.sniff import sniffing_protocol
 
@@ -344,6 +352,18 @@ class WorkerServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and self._on_started is not None:
             self._on_started()
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve a connection accepted elsewhere (the admission sentinel); call on the loop."""
+        config = self.config
+
+        def create_protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state)
+
+        task = asyncio.get_running_loop().create_task(
+            asyncio.get_running_loop().connect_accepted_socket(create_protocol, sock))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() and sock.close())
 
     def stop_accepting(self) -> int:
         """Close our listening server(s): our fd only, the supervisor's stays open."""

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from benchlib import env
 from benchlib.common import Ctx
 
-SCENARIOS = ("throughput", "overload", "resilience", "balance", "overhead", "startup")
+SCENARIOS = ("throughput", "overload", "admission", "resilience", "balance", "overhead", "startup")
 
 
 def _runner(name: str) -> Callable[[Ctx], dict[str, Any]]:

@@ -57,7 +57,7 @@ def md_overload(s: dict[str, Any]) -> list[str]:
           fmt(r["p99_admitted_ms"], 0), fmt(r["p99_over_unloaded_p50"], 1), _pct(r["shed_frac"]),
           fmt(r["shed_p99_ms"], 0), _pct(r["timeout_frac"]), fmt(r["cpu_after_s"], 1)] for r in rows])
     if s.get("targets"):
-        lines += ["", "Issue-10 targets for numaserve (medians):", ""]
+        lines += ["", "Issue-13 targets for numaserve (medians):", ""]
         lines += _table(["request", "load", "target", "wanted", "measured", "met"],
                         [[t["shape"], f"{t['level']:g}×", t["target"], t["wanted"],
                           "–" if t["measured"] is None else str(t["measured"]),
@@ -106,12 +106,21 @@ def md_overhead(s: dict[str, Any]) -> list[str]:
     rows = sorted(s["rows"], key=lambda r: _srv_key(r["server"]))
     return _table(
         ["server", "workers", "all ready s", "supervisor CPU idle %", "supervisor CPU under load %",
-         "tree CPU idle %", "tree RSS MB", "req/s under load", "control latency s"],
+         "tree CPU idle %", "tree RSS MB", "req/s under load", "ratelimit set, all acked: p50 / p99 ms"],
         [[r["server"], str(r["workers"]), f"{r['all_ready_s']:.2f}", fmt(r["supervisor_idle_cpu_pct_summary"], 2),
           "–" if r["supervisor_load_cpu_pct"] is None else f"{r['supervisor_load_cpu_pct']:.2f}",
           f"{r['tree_idle_cpu_pct']:.2f}", f"{r['tree_rss_mb']:.0f}", f"{r['load_rps']:.0f}",
-          fmt(r["control_latency_summary"], 2) if r["control_latency_s"] else "n/a (no runtime channel)"]
+          (f"{1000 * r['control_latency_summary']['median']:.1f} / {r.get('control_p99_ms')}"
+           if r["control_latency_s"] and r["control_latency_summary"].get("median") is not None
+           else "n/a (no runtime channel)")]
          for r in rows])
+
+
+def md_admission(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: (r["case"], _srv_key(r["server"])))
+    return _table(["case", "server", "served", "refused (503)", "other"],
+                  [[r["case"], r["server"], f"{r['served']}/{r['sent']}", str(r["refused_503"]),
+                    ", ".join(f"{k}: {v}" for k, v in r["other"].items()) or "–"] for r in rows])
 
 
 def md_startup(s: dict[str, Any]) -> list[str]:
@@ -121,7 +130,7 @@ def md_startup(s: dict[str, Any]) -> list[str]:
 
 
 RENDER = {"throughput": md_throughput, "overload": md_overload, "resilience": md_resilience,
-          "balance": md_balance, "overhead": md_overhead, "startup": md_startup}
+          "balance": md_balance, "overhead": md_overhead, "admission": md_admission, "startup": md_startup}
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:

@@ -7,7 +7,9 @@ process only (numaserve's supervisor, uvicorn's and gunicorn's master): CPU
 while idle and while 32 keep-alive clients hit ``/``; plus the whole tree's
 idle CPU and RSS, and the start-up time of all W workers.
 
-Control latency (numaserve only): the time from a ``ratelimit set`` push
+Control latency (numaserve only; the reply to ``ratelimit set`` now waits for
+every worker's Ack of the new epoch, so its round trip is the control
+latency; p99 over many pushes): formerly the time from a ``ratelimit set`` push
 (the ops request the CLI sends, sent in-process to leave out the CLI's ~0.3 s
 interpreter start) until ``ratelimit show`` reports every slot's
 ``applied_epoch`` equal to the pushed epoch.  Workers report their applied
@@ -44,17 +46,19 @@ def _epochs(srv: Server) -> list[tuple[Any, Any]]:
     return [(s.get("epoch"), s.get("applied_epoch")) for s in srv.ops("ratelimit_show", timeout=5.0)["slots"]]
 
 
-def control_latency(srv: Server, value: int, timeout: float = 30.0) -> float | None:
-    """Seconds until every slot applied a fresh ``ratelimit set`` (None on timeout)."""
+def control_latency(srv: Server, value: int, workers: int) -> tuple[float | None, int]:
+    """Seconds of one ``ratelimit set`` round trip: the reply comes once every worker acknowledged
+    the new epoch (explicit per-command Ack).  Returns (seconds or None if a worker did not
+    apply it, acks received); ``ratelimit show`` is checked afterwards to agree."""
     before = max((e or 0) for e, _ in _epochs(srv))
     t0 = time.perf_counter()
-    srv.ops("ratelimit_set", {"concurrency": value, "all": True}, timeout=10.0)
-    while time.perf_counter() - t0 < timeout:
-        eps = _epochs(srv)
-        if all(e is not None and e > before and a == e for e, a in eps):
-            return time.perf_counter() - t0
-        time.sleep(0.02)
-    return None
+    res = srv.ops("ratelimit_set", {"concurrency": value, "all": True}, timeout=10.0)
+    dt = time.perf_counter() - t0
+    acks = (res or {}).get("acks") or {}
+    ok = len(acks) >= workers and all(a.get("ok") for a in acks.values())
+    eps = _epochs(srv)
+    ok = ok and all(e is not None and e > before and a == e for e, a in eps)
+    return (dt if ok else None), len(acks)
 
 
 def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
@@ -72,9 +76,12 @@ def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
         r = engine.run(lt.LoadConfig(srv.url + "/", concurrency=32, duration=load_s, timeout=10.0))
         loaded = meter.sample() / r.result.duration_s if r.result.duration_s else None
         ctl: list[float | None] = []
+        acks: list[int] = []
         if kind == "numaserve":
-            for i in range(ctx.pick(2, 5)):
-                ctl.append(control_latency(srv, 8 + i))
+            for i in range(ctx.pick(10, 50)):
+                dt, n = control_latency(srv, 8 + i % 8, workers)
+                ctl.append(dt)
+                acks.append(n)
             srv.ops("ratelimit_auto", {}, timeout=10.0)
         return {
             "workers": workers,
@@ -86,8 +93,19 @@ def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
             "supervisor_load_cpu_pct": None if loaded is None else round(100 * loaded, 2),
             "load_rps": round(r.ok / r.result.duration_s, 1) if r.result.duration_s else 0.0,
             "load_failed": r.failed,
-            "control_latency_s": [None if x is None else round(x, 3) for x in ctl],
+            "control_latency_s": [None if x is None else round(x, 4) for x in ctl],
+            "control_acks": acks,
+            "control_p99_ms": _p99_ms(ctl),
         }
+
+
+def _p99_ms(xs: list[float | None]) -> float | None:
+    """p99 of the round trips (a push some worker did not apply counts as infinitely slow)."""
+    if not xs:
+        return None
+    vals = sorted(float("inf") if x is None else x for x in xs)
+    v = vals[min(len(vals) - 1, int(0.99 * len(vals)))]
+    return None if v == float("inf") else round(v * 1000.0, 2)
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -97,7 +115,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         res = one(ctx, kind, workers)
         ctx.log(f"overhead {kind:9} {workers} workers ready {res['all_ready_s']} s, supervisor idle "
                 f"{res['supervisor_idle_cpu_pct']} % load {res['supervisor_load_cpu_pct']} %, "
-                f"control {res['control_latency_s']}")
+                f"control p99 {res['control_p99_ms']} ms over {len(res['control_latency_s'])} pushes")
         rows.append({"server": kind, **res,
                      "supervisor_idle_cpu_pct_summary": summarize(res["supervisor_idle_cpu_pct"]),
                      "control_latency_summary": summarize(res["control_latency_s"])})

@@ -58,6 +58,7 @@ class ServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     numaserve_args: tuple[str, ...] = ()  # extra `numaserve start` flags
     numaserve_toml: str = ""              # appended to the base config
+    app: str = APP                        # module:attribute in scripts/bench_apps
 
     @property
     def name(self) -> str:
@@ -104,15 +105,15 @@ class Server:
             if "--workers-per-node" not in args:
                 args += ["--workers-per-node", str(c.workers)]
             return [sys.executable, "-m", "numaserve", "start", "--config", str(toml), "--runtime-dir",
-                    str(self.rt), "--bind", f"127.0.0.1:{self.port}", "--app", APP, "--app-dir", str(APP_DIR),
+                    str(self.rt), "--bind", f"127.0.0.1:{self.port}", "--app", c.app, "--app-dir", str(APP_DIR),
                     *args]
         if c.kind == "uvicorn":
-            return [sys.executable, "-m", "uvicorn", APP, "--app-dir", str(APP_DIR), "--host", "127.0.0.1",
+            return [sys.executable, "-m", "uvicorn", c.app, "--app-dir", str(APP_DIR), "--host", "127.0.0.1",
                     "--port", str(self.port), "--workers", str(c.workers), "--no-access-log",
                     "--log-level", "info"]
         return [sys.executable, "-m", "gunicorn", "-k", peer_worker_class(), "-w", str(c.workers),
                 "-b", f"127.0.0.1:{self.port}", "--chdir", str(APP_DIR), "--log-level", "info",
-                "--error-logfile", "-", APP]
+                "--error-logfile", "-", c.app]
 
     def start(self) -> "Server":
         env = dict(os.environ)

@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "scripts" / "bench"
 SERVERS = ("numaserve", "uvicorn", "gunicorn")
-SCENARIOS = ("throughput", "overload", "resilience", "balance", "overhead", "startup")
+SCENARIOS = ("throughput", "overload", "admission", "resilience", "balance", "overhead", "startup")
 BUDGET_S = 180.0
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,8 @@ def _bench_processes(since: float) -> list[str]:
     for p in psutil.process_iter(["cmdline", "create_time"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if p.info["create_time"] >= since - 1 and ("benchapp:app" in cmd or "bench_apps" in cmd):
+            if p.info["create_time"] >= since - 1 and ("benchapp:app" in cmd or "fastapp:app" in cmd
+                                                       or "bench_apps" in cmd):
                 if p.status() != psutil.STATUS_ZOMBIE:
                     out.append(f"{p.pid} {cmd[:120]}")
         except psutil.Error:
@@ -134,6 +135,11 @@ def test_every_scenario_has_numbers_for_every_server(quick_run: tuple[Path, floa
     assert _servers_in(sc["balance"]["locality"]) == set(SERVERS)
     assert all(r["local_share"]["median"] is not None for r in sc["balance"]["locality"])
 
+    adm = sc["admission"]
+    assert _servers_in(adm["rows"]) == set(SERVERS)
+    assert all(r["sent"] > 0 and r["served"] + r["refused_503"] + sum(r["other"].values()) == r["sent"]
+               for r in adm["rows"])
+
     rows = {r["server"]: r for r in sc["overhead"]["rows"]}
     assert set(rows) == set(SERVERS)
     assert all(r["supervisor_idle_cpu_pct_summary"]["median"] is not None for r in rows.values())
@@ -151,7 +157,7 @@ def test_markdown_and_plots(quick_run: tuple[Path, float]) -> None:
         assert title in md, title
     for srv in SERVERS:
         assert srv in md
-    assert "Issue-10 targets" in (out / "overload.md").read_text()
+    assert "Issue-13 targets" in (out / "overload.md").read_text()  # issue 13 tightened the issue-10 targets
     res = json.loads((out / "results.json").read_text())
     pngs = sorted(out.glob("*.png"))
     assert {p.name for p in pngs} == set(res["meta"]["plots"])

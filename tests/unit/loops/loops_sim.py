@@ -37,6 +37,7 @@ class SimConfig:
     admission: AdmissionSettings | None = None
     limits: LimitsSettings | None = None      # run the L2 loop with these settings
     vegas_scaled: bool = True
+    vegas_signal: str = "total"
     tick_s: float = 0.01
     service_multiplier: list[tuple[float, float, float]] = field(default_factory=list)  # (start, end, ×)
 
@@ -104,8 +105,9 @@ def simulate(cfg: SimConfig) -> SimResult:
 
     l2: LimitsLoop | None = None
     if cfg.limits is not None or cfg.policy == "vegas":
+        # the documents' rule as written: on total latency (FACTS-limits-leaks §8.1)
         ls = cfg.limits or LimitsSettings(mode="vegas", slo_guard=False, vegas_scaled=cfg.vegas_scaled,
-                                          vegas_initial_rps=0.5 * cap)
+                                          vegas_initial_rps=0.5 * cap, vegas_signal=cfg.vegas_signal)
         l2 = LimitsLoop(ls, 0.0)
 
     events: list[tuple[float, int, int, object]] = []
@@ -140,6 +142,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     w_admitted = 0
     w_arrivals = 0
     w_lat: list[float] = []
+    w_delay: list[float] = []              # server-side delay: arrival → permit (queue wait)
     w_max_inflight = 0
 
     ends = []
@@ -240,6 +243,7 @@ def simulate(cfg: SimConfig) -> SimResult:
             if not late:
                 w_completed += 1
                 w_lat.append(now - req.arrival)
+                w_delay.append(req.permit.granted_at - req.arrival)
                 if m0 <= now < m1:
                     good += 1
                 if m0 <= req.arrival < m1:
@@ -262,6 +266,9 @@ def simulate(cfg: SimConfig) -> SimResult:
                 p90_total_s=lat_sorted[int(0.9 * (len(lat_sorted) - 1))] if lat_sorted else None,
                 mean_total_s=sum(lat_sorted) / len(lat_sorted) if lat_sorted else None,
                 min_total_s=lat_sorted[0] if lat_sorted else None,
+                p90_delay_s=_pct(w_delay, 0.9) if w_delay else None,
+                mean_delay_s=sum(w_delay) / len(w_delay) if w_delay else None,
+                min_delay_s=min(w_delay) if w_delay else None,
                 workers=[WorkerWindow(slot=0, l1_limit=None if controller is None else controller.nominal_limit,
                                       max_inflight=w_max_inflight, queued=gate.queued, arrivals=w_arrivals,
                                       admitted=w_admitted, codel_overloaded=gate.codel.overloaded)],
@@ -277,6 +284,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                 apply(gate.poll(now), now)
             w_completed = w_admitted = w_arrivals = 0
             w_lat = []
+            w_delay = []
             w_max_inflight = gate.inflight
             if now + l2.s.interval_s < horizon:
                 push(now + l2.s.interval_s, L2, None)

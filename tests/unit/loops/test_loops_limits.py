@@ -46,9 +46,13 @@ def window(p90_ms: float | None = 50.0, mean_ms: float | None = 40.0, completed:
         WorkerWindow(slot=0, l1_limit=20, max_inflight=20, queued=5, arrivals=200, admitted=150),
         WorkerWindow(slot=1, l1_limit=20, max_inflight=20, queued=5, arrivals=200, admitted=150),
     ]
-    return NodeWindow(duration_s=3.0, completed=completed, admitted=completed,
-                      p90_total_s=None if p90_ms is None else p90_ms / 1e3,
-                      mean_total_s=None if mean_ms is None else mean_ms / 1e3, workers=ws, **kw)  # type: ignore[arg-type]
+    # The guard and Vegas read the server-side delay by default: feed the same values as both signals.
+    p90 = None if p90_ms is None else p90_ms / 1e3
+    mean = None if mean_ms is None else mean_ms / 1e3
+    if "min_total_s" in kw:
+        kw.setdefault("min_delay_s", kw["min_total_s"])
+    return NodeWindow(duration_s=3.0, completed=completed, admitted=completed, p90_total_s=p90, mean_total_s=mean,
+                      p90_delay_s=p90, mean_delay_s=mean, workers=ws, **kw)  # type: ignore[arg-type]
 
 
 def test_leases_split_by_demand_with_epochs_and_lease_expiry() -> None:
@@ -206,3 +210,46 @@ def test_settings_section() -> None:
     with pytest.raises(ValueError):
         LimitsSettings(lease_s=1.0)
     msgspec.json.encode(LimitsLoop(s, 0.0).update(3.0, window()))
+
+
+CPU_WORKERS = [WorkerWindow(slot=0, l1_limit=None, max_inflight=120, arrivals=300, admitted=300),
+               WorkerWindow(slot=1, l1_limit=None, max_inflight=110, arrivals=300, admitted=300)]
+
+
+def test_cpu_limited_workers_get_no_ceiling_and_streams_do_not_trip_the_slo_guard() -> None:
+    """200 open 20 s streams: total p90 20 s, server-side delay 2 ms. The guard reads the delay."""
+    loop = LimitsLoop(LimitsSettings(), 0.0)
+    for t in range(1, 8):
+        d = loop.update(3.0 * t, NodeWindow(duration_s=3.0, completed=300, admitted=300, p90_total_s=20.0,
+                                            mean_total_s=20.0, p90_delay_s=0.002, mean_delay_s=0.001,
+                                            workers=CPU_WORKERS))
+        assert d is not None and [s.concurrency for s in d.slots] == [None, None] and loop.slo_cap is None
+    # the documents' literal rule on total latency would have cut them to the floor
+    lit = LimitsLoop(LimitsSettings(slo_signal="total"), 0.0)
+    for t in range(1, 40):
+        d = lit.update(3.0 * t, NodeWindow(duration_s=3.0, completed=300, admitted=300, p90_total_s=20.0,
+                                           p90_delay_s=0.002, workers=CPU_WORKERS))
+    assert lit.slo_cap == 5.0 and sum(s.concurrency for s in d.slots) == 5  # type: ignore[misc,union-attr]
+
+
+def test_a_real_cpu_overload_past_the_slo_caps_cpu_workers_and_an_operator_can_too() -> None:
+    loop = LimitsLoop(LimitsSettings(), 0.0)
+    for t in range(1, 4):
+        d = loop.update(3.0 * t, NodeWindow(duration_s=3.0, completed=300, admitted=300, p90_delay_s=0.4,
+                                            workers=CPU_WORKERS))
+    assert d is not None and loop.slo_cap is not None and all(s.concurrency for s in d.slots)
+    op = LimitsLoop(LimitsSettings(), 0.0)
+    op.update(3.0, NodeWindow(duration_s=3.0, workers=CPU_WORKERS))
+    d = op.override(4.0, slot=1, concurrency=16)
+    assert [s.concurrency for s in d.slots] == [None, 16]
+
+
+def test_vegas_on_the_delay_signal_is_not_moved_by_long_streams() -> None:
+    loop = LimitsLoop(LimitsSettings(mode="vegas", slo_guard=False, vegas_initial_rps=100.0), 0.0)
+    rates = []
+    for t in range(1, 12):
+        d = loop.update(3.0 * t, NodeWindow(duration_s=3.0, completed=300, admitted=300, mean_total_s=20.0,
+                                            min_total_s=0.001, mean_delay_s=0.002, min_delay_s=0.0005,
+                                            workers=CPU_WORKERS))
+        rates.append(d.node_rate)  # type: ignore[union-attr]
+    assert rates[-1] > 100.0  # delay − min < 5 ms: +10 % per decision, never −25 %

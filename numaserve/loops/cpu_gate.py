@@ -1,0 +1,392 @@
+"""L0, limiter "cpu": shed on what a worker is short of — event-loop (CPU) time — and nothing else.
+
+A worker is one event loop on one CPU.  Requests that await I/O, streams
+between two chunks and uploads still arriving use none of it, so they never
+count.  Two signals say the loop is short:
+
+* **loop lag** — how late a probe timer fires (the shell's ``LoopProbe``
+  re-arms it ``probe_delay()`` after each firing, so while the loop is busy it
+  fires once per loop iteration and the lag is the length of that iteration:
+  the time every ready callback waits for its turn).  Smoothed; *short of CPU*
+  while above ``lag_target_s``.
+* **requests waiting for CPU** — the caller counts runnable tasks (ready to
+  run, not awaiting anything: ``task._fut_waiter is None``) when the decision
+  needs it, plus one when threads other than the loop burn ≥ half a CPU
+  (sync handlers run in a thread pool).
+
+A request is shed (503) only when the loop is short of CPU (or has been
+overloaded — busy without an idle moment — for a while) **and** at least
+``cpu_concurrency`` other requests already wait for it, worth at least
+``overload_wait_s`` of CPU (so 8 clients of a 5 ms endpoint queue, 3 of a
+20 ms one do not).  The second condition
+keeps a small queue so the CPU never idles while requests wait: a request
+arriving behind one blocking call, or next to one cooperative job, is always
+admitted; only the ones that would wait behind several are refused.  With
+cooperative CPU-bound requests this bounds their number to
+``cpu_concurrency`` (latency ≈ that many × the work); with handlers that
+block the loop it bounds the requests queued inside the worker, and the
+sentinel (``numaserve.worker.shedding``) bounds the accept queue.
+
+Also here: an in-flight safety cap (``max_inflight`` and the supervisor's
+lease ceiling; 0/None = none, the default: streams never hit a cap), the
+supervisor's rate quota (429), client deadlines (504), the counters and the
+decision every sentinel makes (``stall_excess``).  Pure: every call takes
+``now``; no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from numaserve.loops.admission import (
+    AdmissionSettings,
+    Admit,
+    Outcome,
+    Permit,
+    PushedLimits,
+    Reject,
+    _Rate,
+)
+
+__all__ = ["CpuGate", "CpuGateStats", "LagTracker"]
+
+#: Other threads burning at least this many CPUs count as one request waiting for CPU.
+OTHER_THREADS_BUSY = 0.5
+#: A probe later than its period plus this means the loop had work queued (it was not waiting
+#: in poll); covers the 1 ms timer resolution of uvloop.
+BUSY_LAG_S = 0.0005
+#: What a request costs before any was measured.
+REQUEST_CPU_PRIOR_S = 0.002
+#: The per-request CPU is the lowest of this many recent windows.
+COST_WINDOWS = 8
+#: Window of the thread-CPU measurement.
+CPU_WINDOW_S = 0.05
+
+
+class LagTracker:
+    """Smoothed loop lag from probe samples, and the probe's next period.
+
+    The period is ``probe_min_s`` while the loop is busy (every sample then
+    measures one loop iteration) and doubles up to ``probe_max_s`` while the
+    samples are ~0 (an idle loop is not woken 1000 times a second).
+    ``kick()`` (new work admitted) brings it back to the minimum.
+    """
+
+    __slots__ = (
+        "at",
+        "busy",
+        "busy_lag",
+        "last",
+        "max_since",
+        "period",
+        "pmax",
+        "pmin",
+        "samples",
+        "target",
+        "tau",
+        "value",
+        "weight",
+    )
+
+    def __init__(self, s: AdmissionSettings, now: float) -> None:
+        self.target = s.lag_target_s
+        self.weight = s.lag_smoothing
+        self.pmin = s.probe_min_s
+        self.pmax = s.probe_max_s
+        self.value = 0.0
+        self.last = 0.0
+        self.max_since = 0.0
+        self.at = now
+        self.period = s.probe_min_s
+        self.samples = 0
+        self.busy = 0.0            # time-smoothed share of time the loop had no idle moment
+        self.tau = s.busy_window_s
+        self.busy_lag = s.probe_min_s + BUSY_LAG_S
+
+    def sample(self, now: float, lag: float) -> None:
+        lag = max(0.0, lag)
+        dt = now - self.at
+        was_busy = lag > self.busy_lag
+        if dt > 0:  # busy for the lag and the period before it (at most), idle before that
+            busy_dt = min(dt, lag + self.period) if was_busy else 0.0
+            self._decay(dt - busy_dt, 0.0)
+            self._decay(busy_dt, 1.0)
+        self.value += self.weight * (lag - self.value)
+        self.last = lag
+        self.max_since = max(self.max_since, lag)
+        self.at = now
+        self.samples += 1
+        self.period = self.pmin if lag > self.pmin else min(self.pmax, self.period * 2)
+
+    def _decay(self, dt: float, toward: float) -> None:
+        if dt > 0:
+            self.busy += (1.0 - math.exp(-dt / self.tau)) * (toward - self.busy)
+
+    def kick(self) -> None:
+        self.period = self.pmin
+
+    def current(self, now: float, active: bool = True) -> float:
+        """The smoothed lag, at least how overdue the armed probe is now (a loop stuck in a long
+        iteration has not fired it yet); 0 once an unarmed probe has been quiet a while (idle worker)."""
+        if active:
+            return max(self.value, now - (self.at + self.period))
+        return 0.0 if now - self.at > 2 * self.pmax + self.value else self.value
+
+    def short(self, now: float, active: bool = True) -> bool:
+        return self.current(now, active) > self.target
+
+    def sustained(self, now: float, on: float, off: float, was: bool) -> bool:
+        """Overload, not a burst: busy without an idle moment for the share ``on`` of the recent past
+        (time constant ``busy_window_s``); it lasts until that share falls below ``off`` (no flapping)."""
+        return self.busy >= (off if was else on)
+
+
+class CpuGateStats(msgspec.Struct, kw_only=True):
+    """Counters (cumulative) and current state for the worker's Stats (``extra["admission"]``).
+
+    Field names shared with ``GateStats`` mean the same thing, so status and
+    metrics read either.
+    """
+
+    limiter: str
+    epoch: int
+    limit: int | None               # in-flight cap in force (None: none)
+    l1_limit: float | None
+    ceiling: int | None
+    lease_expired: bool
+    rate: float
+    burst: float
+    inflight: int
+    queued: int
+    max_inflight: int
+    admitted: int
+    completed: int
+    ok: int
+    status_400: int
+    status_429: int
+    status_500: int
+    status_503: int
+    status_504: int
+    shed: dict[str, int]            # by reason: cpu, stall (sentinel), inflight_cap, limit_zero, quota, deadline
+    client_gone: int                # not run: the client had left before the request started
+    codel_overloaded: bool          # kept for readers of GateStats: here "overloaded" (sustained)
+    short_of_cpu: bool
+    overloaded: bool                # busy without an idle moment for a while: the tight bound applies
+    shedding: bool                  # shed within overload_hold_s
+    lag_s: float                    # smoothed loop lag
+    lag_max_s: float                # largest probe lag since the previous snapshot
+    other_threads_cpu: float        # CPUs burnt by threads other than the loop (thread pools)
+    request_cpu_s: float            # the loop's CPU per finished request (lowest of recent windows)
+    throughput: float
+    probing: bool = False
+
+
+class CpuGate:
+    """The pure "cpu" limiter; see the module docstring."""
+
+    def __init__(self, settings: AdmissionSettings, now: float, rng: random.Random | None = None) -> None:
+        self.s = settings
+        self._rng = rng or random.Random()
+        self.lag = LagTracker(settings, now)
+        self.pushed = PushedLimits(settings.burst_fraction, now)
+        self._throughput = _Rate(settings.throughput_tau_s, now)
+        self.inflight = 0
+        self._max_inflight = 0
+        self._last_shed = -math.inf
+        self._overloaded = False
+        self._cpu_at: float | None = None
+        self._cpu_loop = 0.0
+        self._cpu_proc = 0.0
+        self.other_threads_cpu = 0.0
+        self.request_cpu_s = REQUEST_CPU_PRIOR_S   # the loop's CPU per request (learnt)
+        self._cpu_done = 0
+        self._costs: deque[float] = deque(maxlen=COST_WINDOWS)
+        self._c: dict[str, int] = dict.fromkeys(
+            ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
+        self._shed: dict[str, int] = {}
+
+    # --- limits ------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self.pushed.epoch
+
+    def set_limits(self, now: float, epoch: int, **kw: object) -> bool:
+        """The supervisor's push (``PushedLimits.set``); the ceiling caps requests in flight."""
+        return self.pushed.set(now, epoch, **kw)  # type: ignore[arg-type]
+
+    def limit(self, now: float) -> int | None:
+        """In-flight cap: min(``max_inflight``, lease ceiling); None when there is none."""
+        cap = self.s.max_inflight or None
+        ceil = self.pushed.ceiling(now)
+        if ceil is not None:
+            cap = ceil if cap is None else min(cap, ceil)
+        return cap
+
+    # --- loop signals ------------------------------------------------------------------------
+
+    def on_lag(self, now: float, lag: float) -> None:
+        """A probe fired ``lag`` seconds late."""
+        self.lag.sample(now, lag)
+        self._overloaded = self.lag.sustained(now, self.s.busy_threshold, self.s.busy_release, self._overloaded)
+
+    def on_cpu(self, now: float, loop_cpu_s: float, process_cpu_s: float) -> None:
+        """Cumulative CPU of the loop's thread and of the whole process (thread-pool work = the difference)."""
+        if self._cpu_at is None:
+            self._cpu_at, self._cpu_loop, self._cpu_proc = now, loop_cpu_s, process_cpu_s
+            return
+        dt = now - self._cpu_at
+        if dt < CPU_WINDOW_S:
+            return
+        other = (process_cpu_s - self._cpu_proc) - (loop_cpu_s - self._cpu_loop)
+        self.other_threads_cpu = max(0.0, other / dt)
+        done = self._c["completed"] - self._cpu_done
+        if done > 0:  # the loop's CPU per finished request: the lowest of the recent windows
+            self._costs.append((loop_cpu_s - self._cpu_loop) / done)   # (a cold start is no rule)
+            self.request_cpu_s = min(self._costs)
+        self._cpu_at, self._cpu_loop, self._cpu_proc = now, loop_cpu_s, process_cpu_s
+        self._cpu_done = self._c["completed"]
+
+    def probe_delay(self) -> float:
+        return self.lag.period
+
+    def short_of_cpu(self, now: float) -> bool:
+        return self.lag.short(now, self.inflight > 0)
+
+    def overloaded(self, now: float) -> bool:
+        """Sustained overload: the loop has been busy without pause (``busy_threshold``) for a window."""
+        return self._overloaded
+
+    def shedding(self, now: float) -> bool:
+        """A request was shed within ``overload_hold_s`` (by the gate or a sentinel)."""
+        return now - self._last_shed <= self.s.overload_hold_s
+
+    # --- per request -------------------------------------------------------------------------
+
+    def try_admit(self, now: float, *, deadline: float | None = None,
+                  runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> Admit | Reject:
+        """Admit or refuse at once.
+
+        ``runnable``: (tasks ready to run that already ran a step, tasks not started yet) besides
+        this request, or a function counting them (called only when the loop is short of CPU).
+        Overloaded, both are queue.  In a burst all of them count by their expected CPU
+        (``request_cpu_s`` × count against ``burst_wait_s``): 40 new awaits are not 40 CPU jobs.
+        """
+        if deadline is not None and now >= deadline:
+            return self._reject(now, 504, "deadline")
+        if not self.pushed.bucket.try_take(now):
+            wait = self.pushed.bucket.wait_time(now)
+            return self._reject(now, 429, "quota", retry_after=self._clamp_retry(math.ceil(wait)))
+        cap = self.limit(now)
+        if cap is not None and self.inflight >= cap:
+            return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
+                                retry_after=self._overload_retry(now))
+        if self._overloaded or self.lag.short(now, self.inflight > 0):
+            started, new = runnable() if callable(runnable) else runnable
+            if self.other_threads_cpu >= OTHER_THREADS_BUSY:
+                started += 1
+            waiting = started + new
+            if self._overloaded:   # a queue, and worth more than overload_wait_s of CPU
+                refuse = (waiting >= self.s.cpu_concurrency
+                          and waiting * self.request_cpu_s >= self.s.overload_wait_s)
+            else:
+                refuse = started >= self.s.cpu_burst or waiting * self.request_cpu_s >= self.s.burst_wait_s
+            if refuse:
+                return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
+        self.inflight += 1
+        self._max_inflight = max(self._max_inflight, self.inflight)
+        self._c["admitted"] += 1
+        self.lag.kick()
+        return Admit(Permit(granted_at=now, inflight_at_start=self.inflight, enqueued_at=now, deadline=deadline))
+
+    def release(self, now: float, permit: Permit, outcome: Outcome | None = None) -> None:
+        """A request finished (any outcome)."""
+        if permit.released:
+            return
+        permit.released = True
+        self.inflight = max(0, self.inflight - 1)
+        self._c["completed"] += 1
+        out = outcome or permit.outcome
+        self._c[{"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}[out]] += 1
+        self._throughput.add(now)
+
+    def client_gone(self, now: float, permit: Permit | None = None) -> None:
+        """An admitted request whose client left before it started: not run."""
+        self._c["gone"] += 1
+        if permit is not None and not permit.released:
+            permit.released = True
+            self.inflight = max(0, self.inflight - 1)
+
+    # --- the sentinel ------------------------------------------------------------------------
+
+    def stall_excess(self, now: float, stalled_for: float, accept_queue: int) -> int:
+        """How many connections a sentinel should answer 503 from an accept queue of this length.
+
+        Only while the loop is stalled: its probe is ``stall_after_s`` late
+        when it was already short of CPU, else ``stall_idle_after_s`` (a
+        single long call on a quiet worker is not overload).  ``stall_queue``
+        connections stay for the loop, so it has work the moment it is back.
+        """
+        if self.inflight <= 0:
+            return 0
+        limit = self.s.stall_after_s if self.overloaded(now) else self.s.stall_idle_after_s
+        if stalled_for < limit:
+            return 0
+        return max(0, accept_queue - self.s.stall_queue)
+
+    def record_stall_shed(self, now: float, n: int = 1) -> None:
+        """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""
+        if n > 0:
+            self._c["503"] += n
+            self._shed["stall"] = self._shed.get("stall", 0) + n
+            self._last_shed = max(self._last_shed, now)
+
+    def note_shed(self, now: float) -> None:
+        """A shed seen outside this gate (a sentinel thread): keeps ``shedding`` on."""
+        self._last_shed = max(self._last_shed, now)
+
+    def retry_after(self, now: float) -> int:
+        return self._overload_retry(now)
+
+    # --- stats -------------------------------------------------------------------------------
+
+    def snapshot(self, now: float, *, reset_max: bool = False) -> CpuGateStats:
+        c = self._c
+        short = self.short_of_cpu(now)
+        st = CpuGateStats(
+            limiter="cpu", epoch=self.epoch, limit=self.limit(now), l1_limit=None,
+            ceiling=self.pushed.ceiling(now), lease_expired=self.pushed.lease_expired(now),
+            rate=self.pushed.bucket.rate, burst=self.pushed.bucket.burst, inflight=self.inflight, queued=0,
+            max_inflight=self._max_inflight, admitted=c["admitted"], completed=c["completed"], ok=c["ok"],
+            status_400=c["400"], status_429=c["429"], status_500=c["500"], status_503=c["503"],
+            status_504=c["504"], shed=dict(self._shed), client_gone=c["gone"], codel_overloaded=self._overloaded,
+            short_of_cpu=short, overloaded=self._overloaded, shedding=self.shedding(now), lag_s=round(self.lag.current(now, self.inflight > 0), 6),
+            lag_max_s=round(self.lag.max_since, 6), other_threads_cpu=round(self.other_threads_cpu, 3),
+            request_cpu_s=round(self.request_cpu_s, 6),
+            throughput=self._throughput.get(now),
+        )
+        if reset_max:
+            self._max_inflight = self.inflight
+            self.lag.max_since = 0.0
+        return st
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _reject(self, now: float, status: int, reason: str, retry_after: int | None = None) -> Reject:
+        self._c[str(status)] += 1
+        self._shed[reason] = self._shed.get(reason, 0) + 1
+        if status == 503:
+            self._last_shed = now
+        return Reject(status, retry_after, reason)
+
+    def _clamp_retry(self, seconds: float) -> int:
+        return int(min(max(seconds, self.s.retry_after_min_s), self.s.retry_after_max_s))
+
+    def _overload_retry(self, now: float) -> int:
+        """Retry-After: 1 or 2 s at random (refused clients do not all come back together)."""
+        return self._clamp_retry(1 + (self._rng.random() < 0.5))

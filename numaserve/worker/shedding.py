@@ -1,0 +1,479 @@
+"""The I/O shell around the "cpu" limiter (``numaserve.loops.cpu_gate``): probe, protocol hook, sentinel.
+
+* ``LoopProbe`` — a timer on the event loop, re-armed after every firing
+  while requests are in flight; how late it fires is the loop lag the gate
+  sheds on.  It also stamps ``beat`` (the sentinel's freshness signal) and
+  samples the CPU of the loop's thread and of the process (thread pools).
+* ``admission_protocol`` — a subclass of the HTTP protocol (httptools) that
+  decides admission when a request's head is complete, before any task is
+  created: a refused request costs no task, no ASGI call and is answered
+  (503 + Retry-After + ``Connection: close``) in the same loop iteration its
+  bytes were read.  When the loop was late it reads the socket's
+  ``TCP_INFO``: ``tcpi_last_data_recv`` (how long the request sat in the
+  kernel) back-dates its arrival, and a ``CLOSE_WAIT`` state (the client
+  already gave up and closed) means the request is not run at all.
+* ``Sentinel`` — a thread per worker.  While the loop is stalled (one call
+  holding it: a blocking handler) the in-loop gate cannot act; the thread
+  watches the listener's accept queue (``TCP_INFO`` on the listening socket
+  gives its length), leaves ``stall_queue`` connections for the loop and
+  answers the oldest others with 503 from outside the loop.  It needs the
+  GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
+  and most C extensions around heavy work; a C call that holds the GIL for
+  long stalls the sentinel too (then only the supervisor's steering helps).
+  Connections it cannot answer (TLS, a non-HTTP first byte) are handed back
+  to the loop untouched.
+
+``AdmissionRuntime`` ties them to one worker's gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from numaserve.errors_http import error_body, error_headers
+from numaserve.listeners import accept_queue_depth
+from numaserve.loops.admission import AdmissionSettings, Reject
+from numaserve.loops.cpu_gate import CpuGate
+from numaserve.worker.stats import LatencyHistogram
+
+__all__ = [
+    "ARRIVED_KEY",
+    "CONN_KEY",
+    "PERMIT_KEY",
+    "AdmissionRuntime",
+    "LoopProbe",
+    "Sentinel",
+    "admission_protocol",
+    "overload_response",
+    "tcp_wait_and_state",
+]
+
+#: Scope keys set by the protocol for the ASGI middleware.
+PERMIT_KEY = "numaserve.permit"
+ARRIVED_KEY = "numaserve.arrived"
+CONN_KEY = "numaserve.conn"
+
+DEADLINE_HEADER = b"x-request-timeout"
+TCP_ESTABLISHED = 1
+_TCP_INFO_LEN = 60
+_LAST_DATA_RECV = struct.Struct("I")   # u32 at offset 52: ms since the last data arrived
+#: The loop counts as late (worth a TCP_INFO look at new requests) past this lag.
+LATE_S = 0.002
+#: CPU (thread vs process) is sampled at most this often.
+CPU_SAMPLE_S = 0.05
+
+
+def tcp_wait_and_state(sock: Any) -> tuple[float, int] | None:
+    """(seconds since data last arrived, TCP state) of a connected socket; None if not TCP."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except (OSError, AttributeError, TypeError):
+        return None
+    if len(info) < 56:
+        return None
+    return _LAST_DATA_RECV.unpack_from(info, 52)[0] / 1000.0, info[0]
+
+
+def overload_response(retry_after: int, reason: str = "cpu") -> bytes:
+    """A complete HTTP/1.1 503 (JSON body, Retry-After, Connection: close)."""
+    body = error_body(503, f"request not admitted: {reason}")
+    head = [b"HTTP/1.1 503 Service Unavailable"]
+    head += [k + b": " + v for k, v in error_headers(503, body, retry_after)]
+    head.append(b"connection: close")
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def reject_response(rej: Reject) -> bytes:
+    """A complete HTTP/1.1 answer for a refusal (503/429/504), closing the connection."""
+    if rej.status == 503:
+        return overload_response(rej.retry_after or 1, rej.reason)
+    phrase = {429: b"Too Many Requests", 504: b"Gateway Timeout"}.get(rej.status, b"Error")
+    body = error_body(rej.status, f"request not admitted: {rej.reason}")
+    head = [b"HTTP/1.1 " + str(rej.status).encode() + b" " + phrase]
+    head += [k + b": " + v for k, v in error_headers(rej.status, body, rej.retry_after or 1)]
+    head.append(b"connection: close")
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class LoopProbe:
+    """The lag probe; see the module docstring.  ``beat``/``period`` are read by the sentinel thread."""
+
+    def __init__(self, gate: CpuGate, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.gate = gate
+        self.loop = loop
+        self.beat = time.monotonic()
+        self.period = gate.probe_delay()
+        self._due = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._cpu_at = 0.0
+        self.lag_hist = LatencyHistogram()
+
+    def kick(self) -> None:
+        """New work admitted: probe at the short period (arm it if it was stopped)."""
+        self.gate.lag.kick()
+        if self._handle is None:
+            self._arm(time.monotonic())
+
+    def _arm(self, now: float) -> None:
+        loop = self.loop or asyncio.get_running_loop()
+        self.loop = loop
+        d = self.gate.probe_delay()
+        self.period = d
+        self._due = now + d
+        self._handle = loop.call_later(d, self._fire)
+
+    def _fire(self) -> None:
+        now = time.monotonic()
+        self._handle = None
+        lag = max(0.0, now - self._due)
+        self.gate.on_lag(now, lag)
+        self.lag_hist.observe(lag * 1000.0)
+        self.beat = now
+        if now - self._cpu_at >= CPU_SAMPLE_S:
+            self._cpu_at = now
+            self.gate.on_cpu(now, time.thread_time(), time.process_time())
+        if self.gate.inflight > 0:
+            self._arm(now)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+def runnable_tasks() -> tuple[int, int]:
+    """Tasks of this loop ready to run (not awaiting anything), the current one excluded:
+    (those that already ran a step, those not started yet)."""
+    cur = asyncio.current_task()
+    started = new = 0
+    for t in asyncio.all_tasks():
+        if t is cur or t._fut_waiter is not None:  # type: ignore[attr-defined]
+            continue
+        if getattr(t.get_coro(), "cr_suspended", True):
+            started += 1
+        else:
+            new += 1
+    return started, new
+
+
+class AdmissionRuntime:
+    """One worker's "cpu" limiter: the gate, its probe, its sentinel and the delay histogram."""
+
+    def __init__(self, settings: AdmissionSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.s = settings
+        self.clock = clock
+        self.gate = CpuGate(settings, clock())
+        self.probe = LoopProbe(self.gate)
+        self.sentinel: Sentinel | None = None
+        self.delay_hist = LatencyHistogram()   # per admitted request: arrival -> start, ms
+        self.edge_rejected: dict[int, int] = {}
+        self.busy = threading.Event()          # set while requests are in flight (wakes the sentinel)
+
+    # --- used by the protocol and the middleware ------------------------------------------
+
+    def loop_late(self, now: float) -> bool:
+        return self.gate.lag.last > LATE_S or now - self.probe.beat > self.probe.period + LATE_S
+
+    def admitted(self) -> None:
+        self.probe.kick()
+        if not self.busy.is_set():
+            self.busy.set()
+
+    def started(self, permit: Any, now: float) -> None:
+        self.delay_hist.observe(max(0.0, now - permit.enqueued_at) * 1000.0)
+
+    def finished(self) -> None:
+        if self.gate.inflight <= 0 and self.busy.is_set():
+            self.busy.clear()
+
+    def client_gone(self, conn: Any) -> bool:
+        """The client of ``conn`` (a protocol) has closed or reset its connection."""
+        transport = getattr(conn, "transport", None)
+        if transport is None or transport.is_closing():
+            return True
+        got = tcp_wait_and_state(transport.get_extra_info("socket"))
+        return got is not None and got[1] != TCP_ESTABLISHED
+
+    # --- the sentinel --------------------------------------------------------------------------
+
+    def start_sentinel(self, listeners: list[socket.socket], adopt: Callable[[socket.socket], None] | None) -> None:
+        if not self.s.sentinel or self.sentinel is not None or not listeners:
+            return
+        self.sentinel = Sentinel(self, listeners, adopt)
+        self.sentinel.start()
+
+    def stop_sentinel(self) -> None:
+        if self.sentinel is not None:
+            self.sentinel.stop()
+            self.sentinel = None
+
+    # --- stats ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
+        snap = self.gate.snapshot(now, reset_max=True)
+        out = {f: getattr(snap, f) for f in snap.__struct_fields__}
+        sent = self.sentinel
+        if sent is not None and sent.shed:
+            out["shed"] = dict(out["shed"])
+            out["shed"]["stall"] = out["shed"].get("stall", 0) + sent.shed
+            out["status_503"] += sent.shed
+        out["sentinel"] = None if sent is None else {"shed": sent.shed, "handed_back": sent.handed_back,
+                                                     "stalls": sent.stalls, "client_gone": sent.gone}
+        out["rejected_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
+        # answered before any ASGI middleware saw them (the worker adds them to its status classes)
+        out["unserved_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
+        if sent is not None and sent.shed:
+            out["unserved_by_status"]["503"] = out["unserved_by_status"].get("503", 0) + sent.shed
+        for name, h in (("delay", self.delay_hist), ("lag", self.probe.lag_hist)):
+            out[f"{name}_buckets"] = list(h.counts)
+            out[f"{name}_count"] = h.count
+            out[f"{name}_sum_ms"] = round(h.sum_ms, 3)
+        return out
+
+
+def request_deadline(headers: Any, arrived: float, default_s: float) -> float | None:
+    """When the request must be answered: ``x-request-timeout`` seconds (or the default) after arrival."""
+    for name, value in headers:
+        if name == DEADLINE_HEADER:
+            try:
+                t = float(value)
+            except ValueError:
+                break
+            if t > 0:
+                return arrived + t
+    return arrived + default_s if default_s > 0 else None
+
+
+class _Quiet:
+    """A logger that says nothing (see ``AdmissionProtocol.logger``)."""
+
+    level = 100
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+_QUIET = _Quiet()
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing: the request was answered or dropped."""
+
+
+def admission_protocol(base: type, rt: AdmissionRuntime) -> type:
+    """``base`` (uvicorn's httptools protocol or a subclass) deciding admission at head-complete."""
+    gate = rt.gate
+    clock = rt.clock
+    default_timeout = rt.s.request_timeout_s
+
+    class AdmissionProtocol(base):  # type: ignore[misc, valid-type]
+        _ns_reject: Reject | None = None
+        _ns_drop = False
+        _ns_logger: Any = None
+
+        # uvicorn logs "Invalid HTTP request received." when a parser callback raises; ours
+        # raises on purpose to stop parsing a refused request: keep that out of the log
+        @property
+        def logger(self) -> Any:
+            return _QUIET if (self._ns_reject is not None or self._ns_drop) else self._ns_logger
+
+        @logger.setter
+        def logger(self, value: Any) -> None:
+            self._ns_logger = value
+
+        def data_received(self, data: bytes) -> None:
+            if self._ns_drop:
+                return  # answered and closing: the rest of the request is not ours to parse
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            if self.parser.should_upgrade():  # websockets: not gated here
+                super().on_headers_complete()
+                return
+            now = clock()
+            arrived = now
+            if rt.loop_late(now):
+                got = tcp_wait_and_state(self.transport.get_extra_info("socket"))
+                if got is not None:
+                    if got[1] != TCP_ESTABLISHED:   # the client already gave up: do not run it
+                        gate.client_gone(now)
+                        self._ns_drop = True
+                        raise _Stop
+                    arrived = now - got[0]
+            d = gate.try_admit(now, deadline=request_deadline(self.headers, arrived, default_timeout),
+                               runnable=runnable_tasks)
+            if isinstance(d, Reject):
+                self._ns_reject = d
+                raise _Stop
+            d.permit.enqueued_at = arrived
+            self.scope[PERMIT_KEY] = d.permit  # type: ignore[literal-required]
+            self.scope[CONN_KEY] = self  # type: ignore[literal-required]
+            rt.admitted()
+            super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            rej, self._ns_reject = self._ns_reject, None
+            if rej is None and not self._ns_drop:
+                super().send_400_response(msg)
+                return
+            self._ns_drop = True
+            if rej is not None:
+                rt.edge_rejected[rej.status] = rt.edge_rejected.get(rej.status, 0) + 1
+                self.transport.write(reject_response(rej))
+            self.transport.close()
+
+    AdmissionProtocol.__name__ = f"Admission{base.__name__}"
+    return AdmissionProtocol
+
+
+class Sentinel(threading.Thread):
+    """Answers 503 from the accept queue while the loop is stalled (see the module docstring)."""
+
+    #: Checks per second while the loop is stalled (each needs the GIL).
+    STALL_POLL_S = 0.001
+    #: A shed connection whose request head has not arrived is answered after this long anyway.
+    HEAD_WAIT_S = 0.05
+    #: After the 503 and FIN, what the client still sends is read and dropped this long (no RST).
+    LINGER_S = 1.0
+
+    def __init__(self, rt: AdmissionRuntime, listeners: list[socket.socket],
+                 adopt: Callable[[socket.socket], None] | None) -> None:
+        super().__init__(name="numaserve-sentinel", daemon=True)
+        self.rt = rt
+        self.adopt = adopt
+        self._listeners = [socket.socket(fileno=os.dup(s.fileno())) for s in listeners]
+        for s in self._listeners:
+            s.setblocking(False)
+        self._stop_evt = threading.Event()
+        self._pending: list[tuple[socket.socket, float]] = []   # accepted, head not read yet
+        self._linger: list[tuple[socket.socket, float]] = []
+        self.shed = 0
+        self.handed_back = 0
+        self.stalls = 0
+        self.gone = 0
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop_evt.set()
+        self.rt.busy.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            for s, _ in self._pending + self._linger:
+                s.close()
+            for s in self._listeners:
+                s.close()
+
+    def _run(self) -> None:
+        rt = self.rt
+        gate = rt.gate
+        s = rt.s
+        stalled_before = False
+        while not self._stop_evt.is_set():
+            if gate.inflight <= 0 and not self._pending and not self._linger:
+                rt.busy.wait(1.0)
+                continue
+            now = time.monotonic()
+            probe = rt.probe
+            stalled_for = now - probe.beat - probe.period
+            limit = s.stall_after_s if gate.overloaded(now) else s.stall_idle_after_s
+            if stalled_for < limit or gate.inflight <= 0:
+                stalled_before = False
+                self._service(now)
+                self._stop_evt.wait(min(0.05, max(self.STALL_POLL_S, limit - stalled_for)))
+                continue
+            if not stalled_before:
+                self.stalls += 1
+                stalled_before = True
+            for lst in self._listeners:
+                depth = accept_queue_depth(lst) or 0
+                for _ in range(gate.stall_excess(now, stalled_for, depth)):
+                    if not self._take(lst, now):
+                        break
+            self._service(now)
+            self._stop_evt.wait(self.STALL_POLL_S)
+
+    def _take(self, lst: socket.socket, now: float) -> bool:
+        try:
+            conn, _ = lst.accept()
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False
+        conn.setblocking(False)
+        self._answer_or_wait(conn, now + self.HEAD_WAIT_S)
+        return True
+
+    def _answer_or_wait(self, conn: socket.socket, deadline: float) -> None:
+        try:
+            first = conn.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() < deadline:
+                self._pending.append((conn, deadline))
+                return
+            first = b"G"  # nothing yet: answer anyway, the client is connected
+        except OSError:
+            conn.close()
+            return
+        if not first:          # the client already left: nothing to answer
+            conn.close()
+            self.gone += 1
+            return
+        if not (65 <= first[0] <= 90) and self.adopt is not None:   # not an HTTP method: frames, TLS
+            self.handed_back += 1
+            self.adopt(conn)
+            return
+        try:
+            conn.recv(65536)   # the head (what is there): read, so closing sends no RST
+        except OSError:
+            pass
+        now = time.monotonic()
+        gate = self.rt.gate
+        try:
+            conn.send(overload_response(gate.retry_after(now), "stall"))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.close()
+            return
+        self.shed += 1
+        gate.note_shed(now)
+        self._linger.append((conn, now + self.LINGER_S))
+
+    def _service(self, now: float) -> None:
+        """Pending heads and lingering closes."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for conn, deadline in pending:
+                self._answer_or_wait(conn, deadline)
+        if self._linger:
+            keep = []
+            poller = select.poll()
+            for conn, _ in self._linger:
+                poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+            ready = {fd for fd, _ in poller.poll(0)}
+            for conn, deadline in self._linger:
+                done = now >= deadline
+                if conn.fileno() in ready:
+                    try:
+                        done = done or not conn.recv(65536)
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        done = True
+                if done:
+                    conn.close()
+                else:
+                    keep.append((conn, deadline))
+            self._linger = keep

@@ -1,0 +1,218 @@
+"""The "cpu" limiter (``CpuGate``) on a virtual clock, and its settings' range checks."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import msgspec
+import pytest
+
+from numaserve.loops.admission import AdmissionSettings, Admit, Reject
+from numaserve.loops.checks import SettingError
+from numaserve.loops.cpu_gate import CpuGate
+from numaserve.loops.gradient import GradientSettings
+from numaserve.loops.supervisor_limits import LimitsSettings
+
+
+def gate(request_cpu_s: float = 0.020, **kw: object) -> CpuGate:
+    """A gate that has learnt its requests cost ``request_cpu_s`` of CPU each (20 ms jobs)."""
+    g = CpuGate(AdmissionSettings(**kw), 0.0, rng=random.Random(3))  # type: ignore[arg-type]
+    g.request_cpu_s = request_cpu_s
+    return g
+
+
+def busy_for(g: CpuGate, start: float, seconds: float, lag: float = 0.015) -> float:
+    """Probe samples of a loop that never idles: one per iteration, each ``lag`` late."""
+    t = start
+    while t < start + seconds:
+        t += g.probe_delay() + lag
+        g.on_lag(t, lag)
+    return t
+
+
+def test_an_idle_or_late_loop_without_queued_work_admits_everything() -> None:
+    g = gate()
+    # 1000 requests awaiting I/O (nothing runnable): the loop lag is what it is, nobody waits for CPU.
+    t = busy_for(g, 0.0, 2.0)
+    assert g.short_of_cpu(t) and g.overloaded(t)
+    out = [g.try_admit(t, runnable=(0, 0)) for _ in range(1000)]
+    assert all(isinstance(d, Admit) for d in out) and g.inflight == 1000
+    # One request ahead (a blocking call just ran, or one cooperative job): still admitted.
+    assert isinstance(g.try_admit(t, runnable=(1, 0)), Admit)
+
+
+def test_short_of_cpu_with_queued_work_sheds_503_with_retry_after() -> None:
+    g = gate()
+    t = busy_for(g, 0.0, 2.0)
+    d = g.try_admit(t, runnable=(2, 0))
+    assert isinstance(d, Reject) and d.status == 503 and d.reason == "cpu" and d.retry_after in (1, 2)
+    assert g.shedding(t) and not g.shedding(t + 1.5)
+    snap = g.snapshot(t)
+    assert snap.shed == {"cpu": 1} and snap.status_503 == 1 and snap.short_of_cpu and snap.limit is None
+
+
+def test_a_burst_is_not_overload_until_the_loop_stays_busy() -> None:
+    g = gate(request_cpu_s=0.005, cpu_burst=8)
+    g.on_lag(0.5, 0.030)          # one long iteration on a quiet worker
+    assert g.short_of_cpu(0.5) and not g.overloaded(0.5)
+    assert isinstance(g.try_admit(0.5, runnable=(5, 0)), Admit)   # a burst: up to cpu_burst, 0.1 s of CPU
+    assert isinstance(g.try_admit(0.5, runnable=(8, 0)), Reject)
+    t = busy_for(g, 0.5, 2.0)     # no idle moment for 2 s: overloaded, the tight bound applies
+    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(8, 0)), Reject)
+    g.request_cpu_s = 0.020
+    assert isinstance(g.try_admit(t, runnable=(2, 0)), Reject)
+    # idle samples release it (hysteresis: only once the busy share fell below busy_release)
+    for i in range(400):
+        t += 0.008
+        g.on_lag(t, 0.0)
+    assert not g.overloaded(t) and not g.short_of_cpu(t)
+
+
+def test_an_armed_probe_that_did_not_fire_counts_as_lag() -> None:
+    """The loop stuck in a 50 ms call has not run its probe: the gate sees that lateness at once."""
+    g = gate()
+    assert isinstance(g.try_admit(0.0), Admit)       # in flight: the shell arms the probe
+    assert not g.short_of_cpu(0.0005)
+    assert g.short_of_cpu(0.05)
+
+
+def test_runnable_is_counted_only_when_short_of_cpu() -> None:
+    g = gate()
+    calls = []
+
+    def count() -> tuple[int, int]:
+        calls.append(1)
+        return 0, 0
+
+    g.try_admit(0.0, runnable=count)
+    assert calls == []
+    t = busy_for(g, 0.0, 1.0)
+    g.try_admit(t, runnable=count)
+    assert calls == [1]
+
+
+def test_new_requests_count_as_queue_when_overloaded_and_by_their_cost_in_a_burst() -> None:
+    g = gate(request_cpu_s=0.002, burst_wait_s=0.2)
+    g.on_lag(0.5, 0.030)                                   # short of CPU, not overloaded
+    assert isinstance(g.try_admit(0.5, runnable=(0, 40)), Admit)   # 40 new x 2 ms (prior) < 200 ms
+    g.request_cpu_s = 0.020                                # learnt: requests cost 20 ms
+    assert isinstance(g.try_admit(0.5, runnable=(0, 10)), Reject)  # 10 x 20 ms: 200 ms of queue
+    t = busy_for(g, 0.5, 2.0)
+    assert g.overloaded(t) and isinstance(g.try_admit(t, runnable=(0, 2)), Reject)
+
+
+def test_overloaded_a_queue_of_cheap_requests_is_not_refused() -> None:
+    """8 closed-loop clients of a 5 ms endpoint: 7 wait, 35 ms of CPU < overload_wait_s."""
+    g = gate(request_cpu_s=0.005)
+    t = busy_for(g, 0.0, 2.0)
+    assert g.overloaded(t)
+    assert isinstance(g.try_admit(t, runnable=(3, 4)), Admit)
+    assert isinstance(g.try_admit(t, runnable=(4, 4)), Reject)
+
+
+def test_thread_pool_cpu_counts_as_one_waiting_request() -> None:
+    g = gate()
+    t = busy_for(g, 0.0, 2.0)
+    g.on_cpu(t, 10.0, 10.0)
+    g.on_cpu(t + 0.1, 10.01, 10.1)          # other threads: 0.09 s of CPU in 0.1 s
+    assert g.other_threads_cpu == pytest.approx(0.9)
+    t = busy_for(g, t + 0.1, 0.2)
+    assert isinstance(g.try_admit(t, runnable=(1, 0)), Reject)
+
+
+def test_inflight_cap_lease_quota_and_deadline() -> None:
+    g = gate(max_inflight=2)
+    assert all(isinstance(g.try_admit(0.0), Admit) for _ in range(2))
+    r = g.try_admit(0.0)
+    assert isinstance(r, Reject) and r.reason == "inflight_cap"
+    g = gate()
+    assert g.set_limits(0.0, 3, concurrency=1, lease_expiry=10.0, safe_concurrency=5)
+    assert not g.set_limits(0.0, 2, concurrency=99)          # stale epoch
+    p = g.try_admit(1.0)
+    assert isinstance(p, Admit) and isinstance(g.try_admit(1.0), Reject)
+    assert g.limit(11.0) == 5                                # lease expired: the safe ceiling
+    g.release(1.0, p.permit)
+    g.set_limits(2.0, 4, rate=10.0, burst=1.0)
+    assert isinstance(g.try_admit(2.0), Admit)
+    q = g.try_admit(2.0)
+    assert isinstance(q, Reject) and q.status == 429 and q.retry_after == 1
+    d = g.try_admit(5.0, deadline=4.0)
+    assert isinstance(d, Reject) and d.status == 504 and d.retry_after is None
+    assert g.set_limits(5.0, 5, concurrency=0) and g.try_admit(5.0).reason == "limit_zero"  # type: ignore[union-attr]
+
+
+def test_release_and_gone_clients_free_their_permit_once() -> None:
+    g = gate()
+    a = g.try_admit(0.0)
+    b = g.try_admit(0.0)
+    assert isinstance(a, Admit) and isinstance(b, Admit) and g.inflight == 2
+    g.release(0.1, a.permit, "ok")
+    g.release(0.1, a.permit, "ok")
+    g.client_gone(0.2, b.permit)
+    g.client_gone(0.2, b.permit)
+    snap = g.snapshot(0.3)
+    assert g.inflight == 0 and snap.ok == 1 and snap.completed == 1 and snap.client_gone == 2
+
+
+def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
+    g = gate(stall_queue=1, stall_after_s=0.002, stall_idle_after_s=0.05)  # (default idle: 1 s)
+    assert g.stall_excess(0.0, 1.0, 10) == 0          # nothing in flight: the loop is idle, not stalled
+    g.try_admit(0.0)
+    assert g.stall_excess(0.01, 0.01, 10) == 0        # quiet worker: one 10 ms call is no stall
+    assert g.stall_excess(0.06, 0.06, 10) == 9        # 60 ms: leave one for the loop
+    t = busy_for(g, 0.1, 2.0)
+    assert g.overloaded(t)
+    assert g.stall_excess(t, 0.003, 4) == 3 and g.stall_excess(t, 0.001, 4) == 0
+    g.record_stall_shed(t, 3)
+    assert g.snapshot(t).shed["stall"] == 3
+
+
+def test_probe_period_short_while_busy_long_while_idle() -> None:
+    g = gate(probe_min_s=0.001, probe_max_s=0.008)
+    for i in range(10):
+        g.on_lag(i * 0.01, 0.0)
+    assert g.probe_delay() == 0.008
+    g.on_lag(1.0, 0.004)
+    assert g.probe_delay() == 0.001
+    g.on_lag(1.1, 0.0)
+    g.try_admit(1.1)                                   # new work: back to the short period
+    assert g.probe_delay() == 0.001
+
+
+@pytest.mark.parametrize("struct, key, value, expected", [
+    (AdmissionSettings, "lag_target_s", -0.01, "> 0"),
+    (AdmissionSettings, "lag_target_s", math.nan, "finite"),
+    (AdmissionSettings, "probe_max_s", math.inf, "finite"),
+    (AdmissionSettings, "cpu_concurrency", 0, ">= 1"),
+    (AdmissionSettings, "busy_threshold", 1.5, "(0, 1]"),
+    (AdmissionSettings, "queue_max", -1, ">= 0"),
+    (GradientSettings, "min_limit", math.nan, "finite"),
+    (GradientSettings, "percentile", 1.0, "(0, 1)"),
+    (LimitsSettings, "slo_ms", -5.0, "> 0"),
+    (LimitsSettings, "slo_backoff", 1.0, "(0, 1)"),
+    (LimitsSettings, "vegas_max_rps", math.inf, "finite"),
+])
+def test_settings_out_of_range_name_the_key(struct: type, key: str, value: object, expected: str) -> None:
+    with pytest.raises(SettingError) as e:
+        struct(**{key: value})
+    assert e.value.key == key and expected in e.value.expected
+    # and through msgspec (what the config loader sees): the key is in the message
+    with pytest.raises(msgspec.ValidationError, match=rf"^{key} = .*expected"):
+        msgspec.convert({key: value}, struct)
+
+
+@pytest.mark.parametrize("struct, low, high", [
+    (AdmissionSettings, "probe_min_s", "probe_max_s"),
+    (AdmissionSettings, "cpu_concurrency", "cpu_burst"),
+    (AdmissionSettings, "busy_release", "busy_threshold"),
+    (GradientSettings, "min_limit", "initial_limit"),
+    (LimitsSettings, "worker_floor", "worker_ceiling"),
+    (LimitsSettings, "vegas_min_rps", "vegas_max_rps"),
+])
+def test_a_floor_above_its_ceiling_names_the_floor(struct: type, low: str, high: str) -> None:
+    ceiling = getattr(struct(), high)
+    above = ceiling * 2 if isinstance(ceiling, int) else (ceiling + 1.0) / 2 if ceiling < 1 else ceiling * 1.5
+    with pytest.raises(SettingError) as e:
+        struct(**{low: above})
+    assert e.value.key == low and high in e.value.expected

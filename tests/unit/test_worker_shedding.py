@@ -1,0 +1,226 @@
+"""The "cpu" limiter's shell in-process: the protocol's decision, the middleware, the sentinel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from numaserve.framing import FramingConfig
+from numaserve.loops.admission import AdmissionSettings
+from numaserve.worker.admission_mw import CpuAdmissionMiddleware
+from numaserve.worker.serve import WorkerServer, build_config
+from numaserve.worker.shedding import (
+    AdmissionRuntime,
+    overload_response,
+    runnable_tasks,
+    tcp_wait_and_state,
+)
+from numaserve.worker.spec import WorkerSpec
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            m = await receive()
+            await send({"type": m["type"] + ".complete"})
+            if m["type"] == "lifespan.shutdown":
+                return
+    path = scope["path"]
+    if path == "/block":
+        time.sleep(0.3)  # noqa: ASYNC251 - a handler that blocks the loop, on purpose
+    elif path == "/sleep":
+        await asyncio.sleep(0.2)
+    body = path.encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def listening_socket() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: AdmissionSettings) -> AsyncIterator[tuple[AdmissionRuntime, socket.socket, WorkerServer]]:
+    lst = listening_socket()
+    spec = WorkerSpec(slot=0, node=0, generation=1, cpus=[0], mempolicy="local", memory_nodes=[0], fd=-1,
+                      control="ipc:///nonexistent", framing=FramingConfig(enabled=False), admission=settings)
+    rt = AdmissionRuntime(settings)
+    server = WorkerServer(build_config(spec, CpuAdmissionMiddleware(app, rt), admission=rt))
+    sock = socket.socket(fileno=os.dup(lst.fileno()))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started
+        yield rt, lst, server
+    finally:
+        rt.stop_sentinel()
+        rt.probe.stop()
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        lst.close()
+
+
+def get(port: int, path: str, timeout: float = 5.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        c.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        out = b""
+        while b"\r\n\r\n" not in out or len(out) < out.index(b"\r\n\r\n") + 4 + _length(out):
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+def _length(raw: bytes) -> int:
+    for line in raw.split(b"\r\n\r\n")[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def test_overload_response_is_one_complete_http_answer() -> None:
+    raw = overload_response(2, "cpu")
+    head, body = raw.split(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 2" in head and b"connection: close" in head
+    assert int(head.split(b"content-length: ")[1].split(b"\r\n")[0]) == len(body)
+    assert b'"type":"overloaded"' in body
+
+
+def test_runnable_tasks_counts_ready_tasks_not_awaiting_ones() -> None:
+    async def main() -> tuple[int, int]:
+        async def spin() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+
+        waiting = [asyncio.ensure_future(asyncio.sleep(5)) for _ in range(20)]
+        spinning = [asyncio.ensure_future(spin()) for _ in range(3)]
+        await asyncio.sleep(0)
+        new = asyncio.ensure_future(spin())
+        counts = runnable_tasks()
+        for t in waiting + spinning + [new]:
+            t.cancel()
+        await asyncio.gather(*waiting, *spinning, new, return_exceptions=True)
+        return counts
+
+    assert asyncio.run(main()) == (3, 1)
+
+
+def test_admitted_requests_release_their_permit_and_are_counted() -> None:
+    async def main() -> None:
+        async with serving(AdmissionSettings()) as (rt, lst, _):
+            port = lst.getsockname()[1]
+            outs = await asyncio.gather(*(asyncio.to_thread(get, port, "/sleep") for _ in range(20)))
+            assert all(o.startswith(b"HTTP/1.1 200") for o in outs)
+            snap = rt.snapshot()
+            assert snap["admitted"] == 20 and snap["ok"] == 20 and rt.gate.inflight == 0
+            assert snap["delay_count"] == 20 and not snap["shed"]
+    asyncio.run(main())
+
+
+def test_the_protocol_refuses_with_503_retry_after_and_close_when_short_of_cpu() -> None:
+    async def main() -> None:
+        async with serving(AdmissionSettings(sentinel=False, close_when_overloaded=True)) as (rt, lst, _):
+            port = lst.getsockname()[1]
+            # the gate says: loop late and two requests already waiting for CPU
+            rt.gate.on_lag(time.monotonic(), 0.5)
+            rt.gate._overloaded = True
+            rt.gate.request_cpu_s = 0.02
+            import numaserve.worker.shedding as sh
+
+            orig = sh.runnable_tasks
+            sh.runnable_tasks = lambda: (2, 0)  # type: ignore[assignment]
+            try:
+                out = await asyncio.to_thread(get, port, "/x")
+            finally:
+                sh.runnable_tasks = orig  # type: ignore[assignment]
+            head = out.split(b"\r\n\r\n")[0].lower()
+            assert out.startswith(b"HTTP/1.1 503") and b"retry-after:" in head and b"connection: close" in head
+            snap = rt.snapshot()
+            assert snap["shed"] == {"cpu": 1} and snap["unserved_by_status"] == {"503": 1} and snap["admitted"] == 0
+            # while shedding (and asked to), admitted responses say Connection: close too
+            rt.gate.lag.value = 0.0
+            out = await asyncio.to_thread(get, port, "/y")
+            assert out.startswith(b"HTTP/1.1 200") and b"connection: close" in out.split(b"\r\n\r\n")[0].lower()
+    asyncio.run(main())
+
+
+def test_a_request_whose_client_left_while_it_waited_is_not_run() -> None:
+    async def main() -> None:
+        async with serving(AdmissionSettings(sentinel=False, gone_check_after_s=0.0)) as (rt, lst, _):
+            port = lst.getsockname()[1]
+            blocker = asyncio.ensure_future(asyncio.to_thread(get, port, "/block"))
+            await asyncio.sleep(0.1)          # the loop is inside the 300 ms blocking call now
+            c = socket.create_connection(("127.0.0.1", port))
+            c.sendall(b"GET /never HTTP/1.1\r\nhost: x\r\n\r\n")
+            c.close()                         # ... and this client gives up before it is read
+            assert (await blocker).startswith(b"HTTP/1.1 200")
+            for _ in range(100):
+                if rt.gate.snapshot(time.monotonic()).client_gone:
+                    break
+                await asyncio.sleep(0.02)
+            snap = rt.snapshot()
+            assert snap["client_gone"] == 1 and snap["ok"] == 1
+    asyncio.run(main())
+
+
+def test_tcp_wait_and_state_of_a_live_and_a_closed_peer() -> None:
+    lst = listening_socket()
+    c = socket.create_connection(lst.getsockname())
+    s, _ = lst.accept()
+    try:
+        got = tcp_wait_and_state(s)
+        assert got is not None and got[1] == 1
+        c.close()
+        time.sleep(0.05)
+        assert tcp_wait_and_state(s)[1] != 1  # type: ignore[index]
+        assert tcp_wait_and_state(object()) is None
+    finally:
+        s.close()
+        lst.close()
+
+
+@pytest.mark.parametrize("stall", [0.002])
+def test_the_sentinel_answers_the_accept_queue_while_a_handler_blocks(stall: float) -> None:
+    async def main() -> None:
+        settings = AdmissionSettings(stall_after_s=stall, stall_idle_after_s=0.05, stall_queue=1)
+        async with serving(settings) as (rt, lst, _server):
+            rt.start_sentinel([lst], None)
+            port = lst.getsockname()[1]
+            outs: list[bytes] = []
+
+            def clients() -> None:   # threads of their own: the test's loop is the server's, and it blocks
+                time.sleep(0.1)
+                ths = [threading.Thread(target=lambda i=i: outs.append(get(port, f"/q{i}"))) for i in range(6)]
+                for th in ths:
+                    th.start()
+                for th in ths:
+                    th.join()
+
+            driver = threading.Thread(target=clients)
+            driver.start()
+            assert (await asyncio.to_thread(get, port, "/block")).startswith(b"HTTP/1.1 200")
+            await asyncio.to_thread(driver.join)
+            refused = [o for o in outs if o.startswith(b"HTTP/1.1 503")]
+            served = [o for o in outs if o.startswith(b"HTTP/1.1 200")]
+            assert refused and served and len(refused) + len(served) == 6
+            assert all(b"retry-after:" in o.lower() for o in refused)
+            sent = rt.sentinel
+            assert sent is not None and sent.shed == len(refused)
+            assert rt.snapshot()["shed"]["stall"] == len(refused)
+    asyncio.run(main())
