@@ -109,11 +109,18 @@ def test_second_signal_skips_the_grace_and_stops_fast() -> None:
         assert [e["event"] for e in stop_events(sup)] == ["lb_grace", "fast_stop"]
 
 
-def test_stop_serves_connections_queued_behind_a_blocked_worker() -> None:
+@pytest.mark.parametrize("sentinel", [False, True], ids=["sentinel-off", "default"])
+def test_stop_serves_connections_queued_behind_a_blocked_worker(sentinel: bool) -> None:
     """The worker is stuck in a handler that blocks its loop while clients
     connect: their connections wait in the listener.  SIGTERM then must not
-    reset them: they are accepted and answered before the worker stops."""
-    with Running(["--nodes", "0", "--app", "slowapp:app", "--bind", "127.0.0.1:0"], config=config(0)) as sup:
+    reset them: they are accepted and answered before the worker stops.
+
+    With admission's sentinel on (the default) a queue behind a loop blocked
+    for over ``stall_idle_after_s`` is answered 503 + Retry-After by the
+    sentinel thread instead (docs/admission.md): still an answer, never a
+    reset.  With it off every queued request is served."""
+    cfg = config(0) + ("" if sentinel else "\n[admission]\nsentinel = false\n")
+    with Running(["--nodes", "0", "--app", "slowapp:app", "--bind", "127.0.0.1:0"], config=cfg) as sup:
         port = sup.port
         blocked: dict[str, int] = {}
 
@@ -142,7 +149,10 @@ def test_stop_serves_connections_queued_behind_a_blocked_worker() -> None:
             s.close()
             answers.append(data.split(b"\r\n", 1)[0])
         t.join(30)
-        assert answers == [b"HTTP/1.1 200 OK"] * 8, (depth, answers)
+        if sentinel:
+            assert all(a in (b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable") for a in answers), (depth, answers)
+        else:
+            assert answers == [b"HTTP/1.1 200 OK"] * 8, (depth, answers)
         assert blocked.get("status") == 200
         assert sup.wait_exit(30) == 0
         assert not [e for e in stop_events(sup) if e["event"] == "listeners_closed_with_queued_connections"]
