@@ -132,7 +132,10 @@ def configure_logging(
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     )
-    handler = logging.StreamHandler(out)
+    # under systemd: the same lines through journald's native protocol, with fields
+    from numaserve.journald import journal_handler
+
+    handler: logging.StreamHandler = journal_handler(out) or logging.StreamHandler(out)  # type: ignore[type-arg]
     handler.setFormatter(formatter)
     setattr(handler, _HANDLER_MARK, True)
 

@@ -73,7 +73,9 @@ def test_unit_has_the_lifecycle_settings() -> None:
     assert s["Service.Type"] == ["notify"]
     assert s["Service.NotifyAccess"] == ["main"]
     assert s["Service.ExecStart"] == ["/usr/local/bin/numaserve start --config /etc/numaserve/numaserve.toml"]
-    assert s["Service.ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    # synchronous: `systemctl reload` returns when the rolling reload ended (and fails when refused)
+    assert s["Service.ExecReload"] == [
+        "/usr/local/bin/numaserve reload --wait --no-json --timeout 30 --config /etc/numaserve/numaserve.toml"]
     assert s["Service.KillMode"] == ["mixed"]
     assert s["Service.Restart"] == ["on-failure"]
     assert s["Service.WatchdogSec"] == ["30"]
@@ -292,3 +294,24 @@ def test_unit_command_prints_the_rendered_unit() -> None:
     r = CliRunner().invoke(systemd, ["unit", "--exec", "/opt/x/numaserve"], catch_exceptions=False)
     assert r.exit_code == 0
     assert "ExecStart=/opt/x/numaserve start --config /etc/numaserve/numaserve.toml" in r.output
+
+
+def test_exec_start_is_the_numaserve_of_this_installation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`/opt/numaserve/bin/numaserve systemd install` puts that venv in ExecStart, whatever $PATH says."""
+    from numaserve.cli.systemd_cmd import numaserve_command
+
+    venv = tmp_path / "venv" / "bin"
+    other = tmp_path / "other" / "bin"
+    for d in (venv, other):
+        d.mkdir(parents=True)
+        (d / "numaserve").write_text("#!/bin/sh\n")
+        (d / "numaserve").chmod(0o755)
+        (d / "python3").write_text("")
+    monkeypatch.setenv("PATH", str(other))
+    assert numaserve_command(str(venv / "numaserve"), str(other / "python3")) == str(venv / "numaserve")
+    # run as `python -m numaserve`: the console script beside the interpreter
+    assert numaserve_command("/x/numaserve/__main__.py", str(venv / "python3")) == str(venv / "numaserve")
+    (venv / "numaserve").unlink()
+    assert numaserve_command("-m", str(venv / "python3")) == str(other / "numaserve")  # then $PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert numaserve_command("-m", str(venv / "python3")) == f"{venv / 'python3'} -m numaserve"
