@@ -25,11 +25,12 @@ import os
 import re
 import socket
 import struct
+import threading
 from typing import Any, Mapping, TextIO
 
 __all__ = [
     "JOURNAL_SOCKET", "JournalHandler", "JournalSender", "encode", "field_name", "journal_handler",
-    "priority", "record_fields", "stream_is_journal",
+    "priority", "record_fields", "stash_event", "stream_is_journal",
 ]
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -164,6 +165,18 @@ class JournalSender:
             self._sock = None
 
 
+# The processed event of the record being formatted in this thread (ProcessorFormatter
+# formats a copy of the record, so the event cannot travel on the record itself).
+_formatted = threading.local()
+
+
+def stash_event(_logger: Any, _name: str, event_dict: Any) -> Any:
+    """ProcessorFormatter step: keep the fully processed event (stdlib records too,
+    with pid, process and the context) for the JournalHandler."""
+    _formatted.event = {k: v for k, v in event_dict.items() if not k.startswith("_")}
+    return event_dict
+
+
 def _event_of(record: logging.LogRecord) -> dict[str, Any]:
     if isinstance(record.msg, dict):  # a structlog event (ProcessorFormatter leaves it in msg)
         return record.msg
@@ -179,8 +192,10 @@ class JournalHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            _formatted.event = None
             line = self.format(record)
-            payload = encode(record_fields(_event_of(record), line, priority(record.levelno)))
+            event = _formatted.event or _event_of(record)
+            payload = encode(record_fields(event, line, priority(record.levelno)))
             if self.sender.send(payload):
                 return
             self.stream.write(line + self.terminator)

@@ -17,7 +17,6 @@ import pytest
 
 from numaserve.journald import (
     JournalHandler,
-    JournalSender,
     encode,
     field_name,
     journal_handler,
@@ -121,30 +120,31 @@ def test_stream_detection(tmp_path: Path) -> None:
     assert not stream_is_journal(object(), {"JOURNAL_STREAM": "1:2"})
 
 
-def test_handler_sends_structlog_and_stdlib_records_with_fields(journal: FakeJournal, tmp_path: Path) -> None:
+def test_handler_sends_structlog_and_stdlib_records_with_fields(journal: FakeJournal, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import structlog
 
+    import numaserve.journald as jd
     from numaserve.log import configure_logging, get_logger
 
+    monkeypatch.setattr(jd, "stream_is_journal", lambda stream, environ=None: True)
+    monkeypatch.setattr(jd, "JOURNAL_SOCKET", journal.path)
     out = open(tmp_path / "stderr", "w")
     try:
-        configure_logging("info", "json", stream=out, process="supervisor")
-        root = logging.getLogger()
-        mine = [h for h in root.handlers if getattr(h, "_numaserve_handler", False)]
-        assert len(mine) == 1 and not isinstance(mine[0], JournalHandler)  # not the journal stream
-        # swap in a journal handler on the same formatter, aimed at the fake socket
-        h = JournalHandler(out, JournalSender(journal.path))
-        h.setFormatter(mine[0].formatter)
-        root.removeHandler(mine[0])
-        root.addHandler(h)
-        get_logger("numaserve.test").warning("crash", slot=1, reason="exit 3", cpus=[2, 3])
+        configure_logging("info", "json", stream=out, process="worker-1")
+        mine = [h for h in logging.getLogger().handlers if getattr(h, "_numaserve_handler", False)]
+        assert len(mine) == 1 and isinstance(mine[0], JournalHandler)
+        structlog.contextvars.bind_contextvars(slot=1, generation=3)
+        get_logger("numaserve.test").warning("crash", reason="exit 3", cpus=[2, 3])
         d = journal.recv()
         assert d["EVENT"] == b"crash" and d["SLOT"] == b"1" and d["REASON"] == b"exit 3"
-        assert d["CPUS"] == b"[2,3]" and d["PRIORITY"] == b"4" and d["PROCESS"] == b"supervisor"
+        assert d["CPUS"] == b"[2,3]" and d["PRIORITY"] == b"4" and d["PROCESS"] == b"worker-1"
         assert json.loads(d["MESSAGE"])["event"] == "crash"  # the same JSON line stderr would carry
+        # a stdlib record (uvicorn) gets the same context and fields
         logging.getLogger("uvicorn.error").error("boom %s", 7)
         d = journal.recv()
         assert d["EVENT"] == b"boom 7" and d["LOGGER"] == b"uvicorn.error" and d["PRIORITY"] == b"3"
+        assert d.get("SLOT") == b"1" and d.get("GENERATION") == b"3" and d.get("PROCESS") == b"worker-1", d
         # large records go as a sealed memfd
         get_logger("numaserve.test").info("big", blob="x" * 400_000)
         d = journal.recv()
@@ -156,9 +156,11 @@ def test_handler_sends_structlog_and_stdlib_records_with_fields(journal: FakeJou
         out.flush()
         assert '"event": "fallback"' in (tmp_path / "stderr").read_text()
     finally:
+        structlog.contextvars.clear_contextvars()
         for hd in list(logging.getLogger().handlers):
             if isinstance(hd, JournalHandler):
                 logging.getLogger().removeHandler(hd)
+                hd.close()
         out.close()
         structlog.reset_defaults()
 
