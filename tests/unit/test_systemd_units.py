@@ -315,3 +315,19 @@ def test_exec_start_is_the_numaserve_of_this_installation(tmp_path: Path, monkey
     assert numaserve_command("-m", str(venv / "python3")) == str(other / "numaserve")  # then $PATH
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert numaserve_command("-m", str(venv / "python3")) == f"{venv / 'python3'} -m numaserve"
+
+
+def test_ops_commands_reach_the_supervisor_despite_a_broken_config(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExecReload=numaserve reload --config FILE with FILE now broken: the command must still
+    find the supervisor (which refuses the reload with the reason), not die on the file."""
+    from numaserve.cli.ops_cmd import _runtime
+    from numaserve.runtime import resolve_runtime_dir
+
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "rt"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\ngraceful_timeout = "soon"\n')
+    assert _runtime(str(bad), None) == resolve_runtime_dir("") == tmp_path / "rt"
+    good = tmp_path / "good.toml"
+    good.write_text(f'[supervisor]\nruntime_dir = "{tmp_path / "own"}"\n')
+    assert _runtime(str(good), None) == tmp_path / "own"
