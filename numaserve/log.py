@@ -128,11 +128,16 @@ def configure_logging(
         )
         final = [renderer]
 
+    # under systemd: the same lines through journald's native protocol, with fields
+    from numaserve.journald import journal_handler, stash_event
+
+    journal = journal_handler(out)
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+        processors=[*([stash_event] if journal else []),
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     )
-    handler = logging.StreamHandler(out)
+    handler: logging.StreamHandler = journal or logging.StreamHandler(out)  # type: ignore[type-arg]
     handler.setFormatter(formatter)
     setattr(handler, _HANDLER_MARK, True)
 

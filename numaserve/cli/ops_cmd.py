@@ -50,11 +50,19 @@ def ops_target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _runtime(config_path: str | None, runtime_dir: str | None) -> Path:
+    from numaserve.errors import ConfigError
     from numaserve.runtime import resolve_runtime_dir
 
     if runtime_dir:
         return Path(runtime_dir)
-    cfg = config_from_flags(config_path)
+    try:
+        cfg = config_from_flags(config_path)
+    except ConfigError as e:
+        # A broken file on disk must not cut the operator off from a supervisor that
+        # runs with the config it loaded (`reload` then refuses this one, with the
+        # reason): find it where an unconfigured runtime_dir would be.
+        click.echo(f"warning: {e}; looking for the supervisor in the default runtime directory", err=True)
+        return resolve_runtime_dir("")
     return resolve_runtime_dir(cfg.supervisor.runtime_dir)
 
 

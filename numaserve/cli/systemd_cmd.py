@@ -52,12 +52,28 @@ def find_shipped(rel: str) -> Path | None:
     return None
 
 
-def numaserve_command() -> str:
-    """How systemd should run numaserve: the installed console script, else this Python with -m."""
+def numaserve_command(argv0: str | None = None, executable: str | None = None) -> str:
+    """How systemd should run numaserve: the numaserve of *this* installation.
+
+    In order: the console script running now (``/opt/numaserve/bin/numaserve
+    systemd install`` puts that venv in ExecStart whatever $PATH says), the
+    console script beside this interpreter, the one on $PATH, else this
+    interpreter with ``-m numaserve``.
+    """
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    executable = sys.executable if executable is None else executable
+    candidates = []
+    if os.path.basename(argv0) == "numaserve" and os.sep in argv0:
+        candidates.append(argv0)
+    if executable:
+        candidates.append(os.path.join(os.path.dirname(executable), "numaserve"))
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return os.path.abspath(c)
     found = shutil.which("numaserve")
     if found:
         return os.path.abspath(found)
-    return f"{shlex.quote(sys.executable)} -m numaserve"
+    return f"{shlex.quote(executable)} -m numaserve"
 
 
 _HOME_DIRS = ("/home/", "/root/", "/run/user/")

@@ -967,12 +967,8 @@ class Supervisor:
         who = {"signal": "SIGHUP"}
         try:
             op = self.start_reload({"trigger": "SIGHUP"})
-        except NumaserveError as e:
-            log.error("reload_refused", signal="SIGHUP", reason=str(e))
+        except NumaserveError as e:  # logged by start_reload
             self.audit.record(who=who, channel="signal", verb="reload", args={}, op_id="", ok=False, result=str(e))
-            if self.notifier.enabled:  # Type=notify-reload waits for RELOADING=1 then READY=1
-                self.notifier.reloading()
-                self.notifier.send(READY=1, STATUS=f"{self.status_line()} (reload refused: {e})"[:500])
             return
         log.info("reload_requested", signal="SIGHUP", op=op.id)
         op.on_finish.append(lambda o: self.audit.record(
@@ -981,7 +977,29 @@ class Supervisor:
 
     def start_reload(self, args: dict[str, Any]) -> Operation:
         """Re-read the config (same file, same flags), check it changes nothing that
-        needs new listeners or a new plan, then roll every slot onto it."""
+        needs new listeners or a new plan, then roll every slot onto it.
+
+        systemd: RELOADING=1 before the re-read (MONOTONIC_USEC = when it was asked,
+        as Type=notify-reload checks), READY=1 when the roll ends or the reload is
+        refused.  A refusal *because a reload is running* sends neither: that
+        reload's READY=1 is what ends systemd's "reloading".
+        """
+        busy = self._reload_running()
+        if not busy:
+            self.notifier.reloading()
+        try:
+            return self._start_reload(args)
+        except NumaserveError as e:
+            log.error("reload_refused", trigger=args.get("trigger", "ops"), reason=str(e))
+            if not busy:
+                self.notifier.reload_done(f"{self.status_line()} (reload refused: {e})")
+            raise
+
+    def _reload_running(self) -> bool:
+        cur = self.operations.current
+        return cur is not None and cur.kind == "reload" and cur.state == "running"
+
+    def _start_reload(self, args: dict[str, Any]) -> Operation:
         from numaserve.config import load_config
         from numaserve.placement import make_plan
         from numaserve.topology import discover
@@ -1007,7 +1025,6 @@ class Supervisor:
         slots = list(self.slots.values())
 
         async def body(op: Operation) -> str:
-            self.notifier.reloading()
             self.cfg = new_cfg
             self.topology = topo
             if self.steering is not None and self.steering.mode != new_cfg.server.steering:
@@ -1017,8 +1034,7 @@ class Supervisor:
             try:
                 return await self.operations.roll(op, slots, timeout, new_cfg.ops.reload_parallel)
             finally:
-                if self.notifier.enabled:
-                    self.notifier.send(READY=1, STATUS=self.status_line())
+                self.notifier.reload_done(self.status_line())
 
         return self.operations.start("reload", args, [s.plan.slot for s in slots], body)
 

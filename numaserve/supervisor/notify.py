@@ -14,6 +14,10 @@ import time
 from typing import Mapping
 
 
+# systemd's STATUS_TEXT_MAX is 4 KiB; keep status lines well inside one datagram.
+STATUS_MAX = 1000
+
+
 class Notifier:
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
@@ -59,9 +63,20 @@ class Notifier:
     def stopping(self, status: str = "stopping") -> None:
         self.send(STOPPING=1, STATUS=status)
 
-    def reloading(self) -> None:
+    def reloading(self, status: str = "reloading") -> None:
+        """RELOADING=1 with MONOTONIC_USEC (CLOCK_MONOTONIC, µs): systemd >= 253 ignores
+        a RELOADING=1 without it, or older than the reload it asked for.  Nothing
+        before the first READY=1: systemd is still waiting for start-up to end."""
+        if not self.ready_sent:
+            return
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        self.send(RELOADING=1, MONOTONIC_USEC=usec, STATUS="reloading")
+        self.send(RELOADING=1, MONOTONIC_USEC=usec, STATUS=status)
+
+    def reload_done(self, status: str) -> None:
+        """READY=1 after RELOADING=1: the reload finished, failed or was refused (``status`` says which)."""
+        if not self.ready_sent:
+            return  # a READY=1 now would end systemd's start-up before every slot is ready
+        self.send(READY=1, STATUS=status[:STATUS_MAX])
 
     def ping_due(self, now: float) -> bool:
         if self.watchdog_interval is None or not self.ready_sent:

@@ -183,3 +183,35 @@ def test_watchdog_stops_while_the_main_loop_is_stuck(notify: NotifyListener) -> 
                                   what="WATCHDOG=1 after SIGCONT")
         assert resumed.mono - t_cont < 1.5
         assert all(s["state"] == "ready" for s in sup.slots())   # nothing else was disturbed
+
+
+def test_reload_notifications_follow_the_real_reload(notify: NotifyListener) -> None:
+    """A SIGHUP during a reload must not end systemd's "reloading" early; a refused
+    reload still answers RELOADING=1 with READY=1 (the reason in STATUS)."""
+    with start(notify) as sup:
+        notify.wait_for(lambda m: m.fields.get("READY") == "1", what="READY=1")
+        sup.wait_ready()
+        t_hup = time.monotonic()
+        sup.signal(signal.SIGHUP)
+        rel = notify.wait_for(lambda m: m.fields.get("RELOADING") == "1", after=t_hup, what="RELOADING=1")
+        sup.signal(signal.SIGHUP)  # refused: a reload is running; must send nothing
+        back = notify.wait_for(lambda m: m.fields.get("READY") == "1", after=rel.mono, timeout=60,
+                               what="READY=1 after the reload")
+        reloads = [o for o in sup.status()["operations"] if o["kind"] == "reload"]
+        assert len(reloads) == 1 and reloads[0]["state"] == "succeeded", reloads
+        assert reloads[0]["finished"] <= back.wall + 0.05, (reloads[0], back)
+        between = [m for m in notify.snapshot() if rel.mono < m.mono < back.mono
+                   and ("RELOADING" in m.fields or "READY" in m.fields)]
+        assert between == [], between
+        assert any(e.get("event") == "reload_refused" and "still running" in e.get("reason", "")
+                   for e in sup.events())
+
+        # a bad config: RELOADING=1, then READY=1 naming the refusal; nothing restarted
+        gens = {s["slot"]: s["generation"] for s in sup.slots()}
+        sup.config.write_text(CONFIG.replace("graceful_timeout = 10.0", 'graceful_timeout = "soon"'))
+        t_bad = time.monotonic()
+        sup.signal(signal.SIGHUP)
+        rel = notify.wait_for(lambda m: m.fields.get("RELOADING") == "1", after=t_bad, what="RELOADING=1 (bad)")
+        done = notify.wait_for(lambda m: m.fields.get("READY") == "1", after=rel.mono, what="READY=1 (refused)")
+        assert "reload refused" in done.fields.get("STATUS", ""), done.fields
+        assert {s["slot"]: s["generation"] for s in sup.slots()} == gens

@@ -73,7 +73,9 @@ def test_unit_has_the_lifecycle_settings() -> None:
     assert s["Service.Type"] == ["notify"]
     assert s["Service.NotifyAccess"] == ["main"]
     assert s["Service.ExecStart"] == ["/usr/local/bin/numaserve start --config /etc/numaserve/numaserve.toml"]
-    assert s["Service.ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    # synchronous: `systemctl reload` returns when the rolling reload ended (and fails when refused)
+    assert s["Service.ExecReload"] == [
+        "/usr/local/bin/numaserve reload --wait --no-json --timeout 30 --config /etc/numaserve/numaserve.toml"]
     assert s["Service.KillMode"] == ["mixed"]
     assert s["Service.Restart"] == ["on-failure"]
     assert s["Service.WatchdogSec"] == ["30"]
@@ -292,3 +294,40 @@ def test_unit_command_prints_the_rendered_unit() -> None:
     r = CliRunner().invoke(systemd, ["unit", "--exec", "/opt/x/numaserve"], catch_exceptions=False)
     assert r.exit_code == 0
     assert "ExecStart=/opt/x/numaserve start --config /etc/numaserve/numaserve.toml" in r.output
+
+
+def test_exec_start_is_the_numaserve_of_this_installation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`/opt/numaserve/bin/numaserve systemd install` puts that venv in ExecStart, whatever $PATH says."""
+    from numaserve.cli.systemd_cmd import numaserve_command
+
+    venv = tmp_path / "venv" / "bin"
+    other = tmp_path / "other" / "bin"
+    for d in (venv, other):
+        d.mkdir(parents=True)
+        (d / "numaserve").write_text("#!/bin/sh\n")
+        (d / "numaserve").chmod(0o755)
+        (d / "python3").write_text("")
+    monkeypatch.setenv("PATH", str(other))
+    assert numaserve_command(str(venv / "numaserve"), str(other / "python3")) == str(venv / "numaserve")
+    # run as `python -m numaserve`: the console script beside the interpreter
+    assert numaserve_command("/x/numaserve/__main__.py", str(venv / "python3")) == str(venv / "numaserve")
+    (venv / "numaserve").unlink()
+    assert numaserve_command("-m", str(venv / "python3")) == str(other / "numaserve")  # then $PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert numaserve_command("-m", str(venv / "python3")) == f"{venv / 'python3'} -m numaserve"
+
+
+def test_ops_commands_reach_the_supervisor_despite_a_broken_config(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExecReload=numaserve reload --config FILE with FILE now broken: the command must still
+    find the supervisor (which refuses the reload with the reason), not die on the file."""
+    from numaserve.cli.ops_cmd import _runtime
+    from numaserve.runtime import resolve_runtime_dir
+
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "rt"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\ngraceful_timeout = "soon"\n')
+    assert _runtime(str(bad), None) == resolve_runtime_dir("") == tmp_path / "rt"
+    good = tmp_path / "good.toml"
+    good.write_text(f'[supervisor]\nruntime_dir = "{tmp_path / "own"}"\n')
+    assert _runtime(str(good), None) == tmp_path / "own"

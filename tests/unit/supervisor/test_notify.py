@@ -50,7 +50,33 @@ def test_abstract_namespace_address():
 
 
 def test_reloading_carries_monotonic_usec(tmp_path):
+    import time
+
     s, path = _sock(tmp_path)
-    Notifier({"NOTIFY_SOCKET": path}).reloading()
+    n = Notifier({"NOTIFY_SOCKET": path})
+    n.ready("x")
+    s.recv(4096)
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    n.reloading()
     lines = s.recv(4096).decode().split("\n")
-    assert "RELOADING=1" in lines and any(x.startswith("MONOTONIC_USEC=") for x in lines)
+    assert "RELOADING=1" in lines
+    usec = int(next(x for x in lines if x.startswith("MONOTONIC_USEC="))[len("MONOTONIC_USEC="):])
+    assert before <= usec <= time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000  # systemd >= 253 compares it
+    n.reload_done("running: node0 1/1 ready (reload refused: bad)" + "x" * 5000)
+    lines = s.recv(8192).decode().split("\n")
+    assert lines[0] == "READY=1" and lines[1].startswith("STATUS=running: node0 1/1 ready (reload refused")
+    assert len(lines[1]) <= len("STATUS=") + 1000
+
+
+def test_no_reload_notifications_before_the_first_ready(tmp_path):
+    """A READY=1 for a reload during start-up would end systemd's start before every slot is ready."""
+    s, path = _sock(tmp_path)
+    s.settimeout(0.2)
+    n = Notifier({"NOTIFY_SOCKET": path})
+    n.reloading()
+    n.reload_done("refused")
+    try:
+        got = s.recv(4096)
+    except socket.timeout:
+        got = b""
+    assert got == b""

@@ -1,0 +1,198 @@
+"""Shared host-side machinery of the VM test modules (not a test file).
+
+One VM boot (``../shared/lab/numa-vm/run-in-numa-vm.sh``) runs a guest pytest
+over a directory of guest tests and writes JUnit XML into a ``--share``d
+directory; each guest test function (found statically, so the host never
+imports guest code) becomes one host test that passes, fails with the guest's
+failure text, or skips with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LAB_SCRIPT = REPO.parent / "shared" / "lab" / "numa-vm" / "run-in-numa-vm.sh"
+
+
+def skip_marks() -> list[pytest.MarkDecorator]:
+    """Where no VM can boot: already inside one, no lab, not x86_64, not root."""
+    return [
+        pytest.mark.skipif(os.environ.get("NUMASERVE_IN_VM") == "1", reason="already inside the VM"),
+        pytest.mark.skipif(not LAB_SCRIPT.exists(), reason=f"NUMA lab not found at {LAB_SCRIPT}"),
+        pytest.mark.skipif(platform.machine() != "x86_64", reason="the NUMA lab VM is x86_64 only"),
+        pytest.mark.skipif(os.geteuid() != 0, reason="the NUMA lab VM needs root"),
+    ]
+
+
+def skip_all(fn: Any) -> Any:
+    """Decorator: every skip of ``skip_marks``."""
+    for mark in reversed(skip_marks()):
+        fn = mark(fn)
+    return fn
+
+
+def guest_tests(guest_dir: Path) -> list[str]:
+    """Node ids relative to the guest dir ("file.py::test_x", "file.py::TestC::test_y"), by AST.
+
+    Static on purpose: collecting with pytest would import guest modules on the host.
+    """
+    out: list[str] = []
+    for path in sorted(guest_dir.glob("test_*.py")):
+        try:
+            tree = ast.parse(path.read_text(), str(path))
+        except SyntaxError:
+            out.append(f"{path.name}::<module>")  # reported as the collection error it is
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                out.append(f"{path.name}::{node.name}")
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                for sub in node.body:
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and sub.name.startswith("test"):
+                        out.append(f"{path.name}::{node.name}::{sub.name}")
+    return out
+
+
+@dataclass
+class CaseResult:
+    outcome: str  # passed | failed | skipped
+    text: str = ""
+
+
+@dataclass
+class VmRun:
+    rc: int | None
+    seconds: float
+    stdout: str
+    stderr: str
+    xml_path: Path
+    share: Path | None = None
+    results: dict[str, list[CaseResult]] = field(default_factory=dict)
+    module_errors: dict[str, str] = field(default_factory=dict)
+    xml_error: str | None = None
+
+    def tail(self, n: int = 40) -> str:
+        lines = (self.stdout + "\n" + self.stderr).strip().splitlines()
+        return "\n".join(lines[-n:])
+
+
+def parse_junit(xml_text: str, known_files: set[str]) -> tuple[dict[str, list[CaseResult]], dict[str, str]]:
+    """JUnit XML → {"file.py::[Class::]func": [case results]} and {file.py: collection error}.
+
+    pytest's classname is the dotted module path (plus the class), the name
+    carries parametrize ids; both are mapped back onto our static node ids.
+    """
+    results: dict[str, list[CaseResult]] = {}
+    module_errors: dict[str, str] = {}
+    stems = {Path(f).stem: f for f in known_files}
+    root = ET.fromstring(xml_text)
+    for case in root.iter("testcase"):
+        classname = case.get("classname", "")
+        name = case.get("name", "")
+        parts = [p for p in classname.split(".") if p]
+        fname, cls = None, None
+        for i, p in enumerate(parts):
+            if p in stems:
+                fname = stems[p]
+                cls = parts[i + 1] if i + 1 < len(parts) else None
+        outcome, text = "passed", ""
+        for tag in ("failure", "error"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = "failed"
+                text = ((el.get("message") or "") + "\n" + (el.text or "")).strip()
+        sk = case.find("skipped")
+        if outcome == "passed" and sk is not None:
+            outcome, text = "skipped", sk.get("message") or (sk.text or "").strip()
+        if fname is None:
+            # collection error: classname "" and name "tests.vm.guest.test_x"
+            stem = name.rsplit(".", 1)[-1]
+            if stem in stems and outcome == "failed":
+                module_errors[stems[stem]] = text
+            continue
+        func = name.split("[", 1)[0]
+        key = f"{fname}::{cls}::{func}" if cls else f"{fname}::{func}"
+        results.setdefault(key, []).append(CaseResult(outcome, text))
+    return results, module_errors
+
+
+def selected(request: pytest.FixtureRequest, module_name: str, all_tests: list[str]) -> list[str]:
+    """Guest tests the host session selected (``-k``) from one host module, else all."""
+    mine = [
+        it.callspec.params["guest_test"]
+        for it in request.session.items
+        if getattr(it, "module", None) is sys.modules[module_name]
+        and "guest_test" in getattr(getattr(it, "callspec", None), "params", {})
+    ]
+    return mine or list(all_tests)
+
+
+def run_guest_pytest(guest_dir: Path, selected_tests: list[str], all_tests: list[str], share: Path, *,
+                     timeout: int, test_timeout: int = 600, lab_args: list[str] = (),
+                     env: dict[str, str] | None = None, pytest_args: list[str] = ()) -> VmRun:
+    """Boot the VM once and run the selected guest tests; never raises (the tests report)."""
+    xml_path = share / "guest.xml"
+    rel = guest_dir.relative_to(REPO)
+    if sorted(selected_tests) == sorted(all_tests):
+        targets = [str(rel)]  # whole dir: collection errors of any file are reported too
+    else:
+        targets = [f"{rel}/{t}" for t in selected_tests if not t.endswith("::<module>")]
+    envs: list[str] = []
+    for k, v in {"NUMASERVE_IN_VM": "1", "PYTHONUNBUFFERED": "1", **(env or {})}.items():
+        envs += ["--env", f"{k}={v}"]
+    cmd = [
+        str(LAB_SCRIPT), "--cwd", str(REPO), "--timeout", str(timeout), "--share", str(share), *lab_args, *envs,
+        "--", sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--timeout", str(test_timeout),
+        "-o", "junit_family=xunit2", f"--junitxml={xml_path}", *pytest_args, *targets,
+    ]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 120, cwd=REPO)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = None, str(e.stdout or ""), str(e.stderr or "") + "\nhost: VM script timed out"
+    seconds = time.monotonic() - t0
+    (share / "vm-stdout.txt").write_text(out)
+    (share / "vm-stderr.txt").write_text(err)
+    run = VmRun(rc, seconds, out, err, xml_path, share)
+    try:
+        run.results, run.module_errors = parse_junit(xml_path.read_text(), {t.split("::")[0] for t in all_tests})
+    except (OSError, ET.ParseError) as e:
+        run.xml_error = f"{type(e).__name__}: {e}"
+    print(f"\n[vm] {len(selected_tests)} guest test(s), VM exit {rc}, {seconds:.1f} s; output in {share}")
+    return run
+
+
+def report(vm_run: VmRun, guest_test: str) -> None:
+    """Pass, fail or skip the host test the way its guest test ended."""
+    where = f"VM exit {vm_run.rc} after {vm_run.seconds:.0f} s"
+    fname = guest_test.split("::")[0]
+    if fname in vm_run.module_errors:
+        pytest.fail(f"{fname} failed to collect in the VM ({where}):\n{vm_run.module_errors[fname]}", pytrace=False)
+    if vm_run.xml_error is not None:
+        pytest.fail(f"no guest results ({vm_run.xml_error}; {where}); VM output tail:\n{vm_run.tail()}", pytrace=False)
+    cases = vm_run.results.get(guest_test)
+    if not cases:
+        pytest.fail(f"{guest_test} did not run in the VM ({where}); VM output tail:\n{vm_run.tail()}", pytrace=False)
+    failed = [c for c in cases if c.outcome == "failed"]
+    if failed:
+        pytest.fail(f"{guest_test} failed in the VM:\n" + "\n---\n".join(c.text for c in failed), pytrace=False)
+    if all(c.outcome == "skipped" for c in cases):
+        pytest.skip(f"skipped in the VM: {cases[0].text}")
+
+
+def extra_pytest_args() -> list[str]:
+    return shlex.split(os.environ.get("NUMASERVE_VM_PYTEST_ARGS", ""))
