@@ -106,6 +106,9 @@ def resolve_bind(text: str) -> BindAddress:
         host, port = parse_bind(text)
     except ValueError as e:
         raise UsageError(f"server.bind {text!r}: {e}") from None
+    if _DOTTED.match(host) and host.count(".") != 3:  # inet_aton would read "1.2.3" as 1.2.0.3
+        raise UsageError(f"server.bind {text!r}: {host} is not a valid IPv4 address "
+                         "(four numbers 0-255 separated by dots)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except socket.gaierror:

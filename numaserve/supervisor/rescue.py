@@ -12,8 +12,10 @@ connection to a healthy slot.  Protocol-agnostic (HTTP, TLS, websockets);
 the app sees the supervisor's loopback address as the peer of those few
 connections.
 
-A relay ends when both directions have ended; at most ``max_relays`` run at
-once (beyond that the rest wait in the queue, as they would without us).
+A relay ends when both directions have ended (a client that keeps its side
+open after the server's answer ended gets ``linger`` seconds); at most
+``max_relays`` run at once (beyond that the rest wait in the queue, as they
+would without us).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def connect_address(lst: Listener) -> tuple[str, int]:
 
 
 class Rescuer:
-    def __init__(self, *, max_relays: int = 512, per_tick: int = 256) -> None:
+    def __init__(self, *, max_relays: int = 512, per_tick: int = 256, linger: float = 30.0) -> None:
         self.max_relays = max_relays
+        self.linger = linger
         self.per_tick = per_tick
         self.active: set[asyncio.Task[None]] = set()
         self.rescued = 0
@@ -82,7 +85,18 @@ class Rescuer:
                 self.failed += 1
                 log.warning("rescue_connect_failed", slot=slot, target=f"{target[0]}:{target[1]}", error=str(e))
                 return
-            await asyncio.gather(self._pump(cr, uw), self._pump(ur, cw))
+            up = asyncio.ensure_future(self._pump(cr, uw))
+            down = asyncio.ensure_future(self._pump(ur, cw))
+            try:
+                # the server's answer decides: once it is complete, a client
+                # that never closes gets ``linger`` seconds, not forever
+                await down
+                await asyncio.wait_for(up, self.linger)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                for t in (up, down):
+                    t.cancel()
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
