@@ -256,7 +256,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     sup = cfg.supervisor
     if sup.unresponsive_after and not sup.heartbeat_interval < sup.unresponsive_after <= sup.heartbeat_timeout:
         raise bad("supervisor", "unresponsive_after", sup.unresponsive_after,
-                  f"0 (auto: 2.5 heartbeat intervals) or more than supervisor.heartbeat_interval "
+                  f"0 (auto: 2 heartbeat intervals) or more than supervisor.heartbeat_interval "
                   f"({sup.heartbeat_interval}) and at most supervisor.heartbeat_timeout ({sup.heartbeat_timeout})")
     from numaserve.supervisor.cmdready import parse_ready
 

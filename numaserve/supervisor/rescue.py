@@ -57,7 +57,7 @@ class Rescuer:
         for slot, lst in stranded:
             while taken < self.per_tick and len(self.active) < self.max_relays:
                 try:
-                    conn, peer = lst.sock.accept()
+                    conn, _peer = lst.sock.accept()
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as e:

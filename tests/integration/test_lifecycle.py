@@ -22,7 +22,15 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import FAST_CONFIG, REPO, Running, free_port, http_get, numaserve_argv, pid_alive
+from tests.integration.harness import (
+    FAST_CONFIG,
+    REPO,
+    Running,
+    free_port,
+    http_get,
+    numaserve_argv,
+    pid_alive,
+)
 from tests.integration.load import LoadLoop
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from numaserve.errors import UsageError
 from numaserve.listeners import open_listeners
-from numaserve.steering import build_selection_program, attach_reuseport_cbpf
+from numaserve.steering import attach_reuseport_cbpf, build_selection_program
 from numaserve.supervisor.cmdready import ReadySpec, host_port_placeholders, parse_ready
 from numaserve.supervisor.probe import probe_slot, process_tree
 from numaserve.supervisor.rescue import Rescuer
