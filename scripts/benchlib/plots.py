@@ -175,11 +175,14 @@ def plot_resilience(s: dict[str, Any], out: Path) -> Path:
             ax.scatter([t for t, _ in errs], [0] * len(errs), marker="x", color="red", label="failed")
         ax.set_ylabel(srv)
         ax.grid(alpha=0.3)
-    axes[0, 0].set_title("reload then kill -9 of the busiest worker, under closed-loop load (first repetition)",
-                         fontsize=10)
+    return _save_timelines(plt, fig, axes, "reload then kill -9 of the busiest worker, under closed-loop load "
+                           "(first repetition)", out / "resilience_timeline.png")
+
+
+def _save_timelines(plt: Any, fig: Any, axes: Any, title: str, path: Path) -> Path:
+    axes[0, 0].set_title(title, fontsize=10)
     axes[-1, 0].set_xlabel("s since start")
     fig.tight_layout()
-    path = out / "resilience_timeline.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -210,14 +213,8 @@ def plot_storm(s: dict[str, Any], out: Path) -> Path | None:
         ax.set_ylabel(f"{srv}\n{'10 × kill -9' if ev == 'storm' else 'SIGSTOP'}", fontsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, loc="lower right")
-    axes[0, 0].set_title("kill storm (shaded) and a frozen worker (dashed) under closed-loop load, "
-                         "first repetition", fontsize=10)
-    axes[-1, 0].set_xlabel("s since start")
-    fig.tight_layout()
-    path = out / "resilience_storm.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_timelines(plt, fig, axes, "kill storm (shaded) and a frozen worker (dashed) under closed-loop "
+                           "load, first repetition", out / "resilience_storm.png")
 
 
 def plot_balance(s: dict[str, Any], out: Path) -> Path:

@@ -103,18 +103,25 @@ def analyse(run: engine.Run, t_event: float, t_done: float | None, t_limit: floa
     }
 
 
+def _start_load(srv: Server, duration: float) -> engine.Background:
+    """Warm up, then start the closed loop every event runs under.
+
+    POST: not idempotent, so the load generator never silently resends a
+    request that died with its connection (it would for a GET).  A new
+    connection per request: kept-alive connections stay where they were
+    accepted, so a replacement worker would get no traffic until clients
+    reconnect, and "capacity" would measure the clients, not the server.
+    """
+    engine.run(lt.LoadConfig(srv.url + "/cpu5", concurrency=4, duration=0.5))
+    return engine.Background(lt.LoadConfig(srv.url + "/cpu5", concurrency=8, duration=duration, timeout=5.0,
+                                           method="POST", body=b"{}", keepalive=False)).start()
+
+
 def one(ctx: Ctx, kind: str, duration: float, baseline_s: float = 3.0) -> dict[str, Any]:
     """Reload then kill under one load run; returns per-event analyses."""
     with Server(ServerConfig(kind, workers=2)).start() as srv:
         srv.wait_ready()
-        engine.run(lt.LoadConfig(srv.url + "/cpu5", concurrency=4, duration=0.5))
-        # POST: not idempotent, so the load generator never silently resends a
-        # request that died with its connection (it would for a GET).  A new
-        # connection per request: kept-alive connections stay where they were
-        # accepted, so a replacement worker would get no traffic until clients
-        # reconnect, and "capacity" would measure the clients, not the server.
-        bg = engine.Background(lt.LoadConfig(srv.url + "/cpu5", concurrency=8, duration=duration, timeout=5.0,
-                                             method="POST", body=b"{}", keepalive=False)).start()
+        bg = _start_load(srv, duration)
         time.sleep(baseline_s)
         t_reload = time.perf_counter()
         rel = srv.reload(timeout=duration)
@@ -186,9 +193,7 @@ def storm_or_freeze(ctx: Ctx, cfg: ServerConfig, event: str, baseline_s: float) 
     recovered = replaced = None
     with Server(cfg).start() as srv:
         srv.wait_ready()
-        engine.run(lt.LoadConfig(srv.url + "/cpu5", concurrency=4, duration=0.5))
-        bg = engine.Background(lt.LoadConfig(srv.url + "/cpu5", concurrency=8, duration=duration, timeout=5.0,
-                                             method="POST", body=b"{}", keepalive=False)).start()
+        bg = _start_load(srv, duration)
         time.sleep(baseline_s)
         t_event = time.perf_counter()
         if event == "storm":
