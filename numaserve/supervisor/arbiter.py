@@ -366,9 +366,10 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         finally:
-            for t in self._tasks + list(self._probes.values()):
+            extra = list(self._probes.values()) + ([self._discovery] if self._discovery else [])
+            for t in self._tasks + extra:
                 t.cancel()
-            await asyncio.gather(*self._tasks, *self._probes.values(), return_exceptions=True)
+            await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
             await self.rescuer.close()
             if self.admin is not None:
                 await self.admin.stop()
