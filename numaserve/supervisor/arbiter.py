@@ -133,6 +133,7 @@ class Supervisor:
         self._shared_next = 0.0                             # takeover: next look for other owners
         self._discovery: asyncio.Task[None] | None = None
         self._ran = False
+        self._oom_seen = X.oom_kill_count()                 # to tell an OOM kill from an operator's kill -9
         self.irq_status: dict[str, Any] | None = None
         self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
@@ -486,9 +487,14 @@ class Supervisor:
             log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause)
             slot.state = S.DRAINED if slot.drained else S.STOPPED
             return
+        oom = False
+        if code == -signal.SIGKILL and w.kill_reason is None:
+            count = X.oom_kill_count()
+            oom = count is not None and self._oom_seen is not None and count > self._oom_seen
+            self._oom_seen = count
         verdict = X.classify_exit(code=code, was_ready=w.ready is not None, we_stopped=w.stop_sent is not None,
                                   we_killed=w.kill_reason is not None, stopped_from_outside=w.stopped_outside,
-                                  goodbye=w.goodbye)
+                                  goodbye=w.goodbye, oom_killed=oom)
         failed_reason = (w.goodbye or cause) if code == WORKER_EXIT_APP_LOAD and w.ready is None else None
         (log.warning if verdict.counted else log.info)(
             "worker_crash" if verdict.counted else "worker_killed",

@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass
 
 __all__ = ["EXPECTED", "EXTERNAL", "CRASH", "BOOT", "HANG", "KINDS", "ExitVerdict", "classify_exit",
-           "EXTERNAL_SIGNALS"]
+           "EXTERNAL_SIGNALS", "oom_kill_count"]
 
 EXPECTED = "expected"   # we asked it to stop (stop, drain, replace)
 EXTERNAL = "external"   # killed or stopped from outside while serving
@@ -37,7 +37,8 @@ class ExitVerdict:
 
 
 def classify_exit(*, code: int, was_ready: bool, we_stopped: bool, we_killed: bool,
-                  stopped_from_outside: bool = False, goodbye: str | None = None) -> ExitVerdict:
+                  stopped_from_outside: bool = False, goodbye: str | None = None,
+                  oom_killed: bool = False) -> ExitVerdict:
     """Classify one exit.
 
     ``we_stopped``: we sent Stop/Drain/SIGTERM and gave it a deadline (and did
@@ -45,6 +46,8 @@ def classify_exit(*, code: int, was_ready: bool, we_stopped: bool, we_killed: bo
     (hang or ready timeout).  ``stopped_from_outside``: the watchdog found it
     frozen by SIGSTOP (state ``T`` in /proc) rather than hung by itself.
     ``goodbye``: the reason a Python worker gave on its way out.
+    ``oom_killed``: the kernel's OOM-kill counter moved since the last look
+    (``oom_kill_count``), so a SIGKILL was most likely the OOM killer's.
     """
     if we_stopped and not we_killed:
         return ExitVerdict(EXPECTED, False, "asked to stop")
@@ -53,14 +56,17 @@ def classify_exit(*, code: int, was_ready: bool, we_stopped: bool, we_killed: bo
             return ExitVerdict(EXTERNAL, False, "frozen from outside (SIGSTOP), then killed by the watchdog")
         return ExitVerdict(HANG, True, "killed by the watchdog")
     if not was_ready:
-        return ExitVerdict(BOOT, True, "died before it was ready")
+        return ExitVerdict(BOOT, True, "died before it was ready" + (" (OOM-killed)" if oom_killed else ""))
     if code < 0:
         try:
             sig = signal.Signals(-code)
         except ValueError:
             return ExitVerdict(CRASH, True, f"died of signal {-code}")
         if sig in EXTERNAL_SIGNALS:
-            hint = " (the OOM killer or an operator)" if sig == signal.SIGKILL else ""
+            hint = ""
+            if sig == signal.SIGKILL:
+                hint = " (the OOM killer: the kernel's oom_kill count went up)" if oom_killed else \
+                    " (the OOM killer or an operator)"
             return ExitVerdict(EXTERNAL, False, f"{sig.name} from outside while serving{hint}")
         return ExitVerdict(CRASH, True, f"died of {sig.name}")
     if goodbye and goodbye.startswith("stopped: SIG") and not we_stopped:
@@ -69,3 +75,16 @@ def classify_exit(*, code: int, was_ready: bool, we_stopped: bool, we_killed: bo
     if code == 0:
         return ExitVerdict(CRASH, True, "exited on its own (status 0) while it should serve")
     return ExitVerdict(CRASH, True, f"exited on its own (status {code})")
+
+
+def oom_kill_count(proc: str = "/proc") -> int | None:
+    """The kernel's count of OOM kills (``oom_kill`` in /proc/vmstat, Linux >= 4.13;
+    memory-cgroup OOM kills count too); None when unreadable."""
+    try:
+        with open(f"{proc}/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -58,3 +58,14 @@ def test_graceful_sigterm_goodbye_from_outside_is_external():
 
 def test_unknown_signal_number_is_a_crash():
     assert verdict(-200).kind == X.CRASH
+
+
+def test_an_oom_kill_is_named_when_the_kernel_counter_moved(tmp_path):
+    v = X.classify_exit(code=-signal.SIGKILL, was_ready=True, we_stopped=False, we_killed=False, oom_killed=True)
+    assert v.kind == X.EXTERNAL and "oom_kill count went up" in v.why
+    assert "OOM-killed" in X.classify_exit(code=-9, was_ready=False, we_stopped=False, we_killed=False,
+                                           oom_killed=True).why
+    (tmp_path / "vmstat").write_text("pgfault 1\noom_kill 7\n")
+    assert X.oom_kill_count(str(tmp_path)) == 7
+    assert X.oom_kill_count(str(tmp_path / "nope")) is None
+    assert isinstance(X.oom_kill_count(), (int, type(None)))
