@@ -496,8 +496,8 @@ class Supervisor:
                                   we_killed=w.kill_reason is not None, stopped_from_outside=w.stopped_outside,
                                   goodbye=w.goodbye, oom_killed=oom)
         failed_reason = (w.goodbye or cause) if code == WORKER_EXIT_APP_LOAD and w.ready is None else None
-        (log.warning if verdict.counted else log.info)(
-            "worker_crash" if verdict.counted else "worker_killed",
+        log.warning(
+            "worker_crash",  # every unexpected exit (the event consumers know); ``kind`` says whose fault
             slot=slot.plan.slot,
             pid=w.pid,
             generation=w.generation,
