@@ -200,7 +200,7 @@ def test_a_slot_failing_at_boot_strands_no_connection_and_ready_comes_degraded()
         deadline = time.monotonic() + 30
         while len(socks) < 20 and time.monotonic() < deadline:   # as early as the port accepts
             try:
-                s = socket.create_connection(("127.0.0.1", port), timeout=30)
+                s = socket.create_connection(("127.0.0.1", port), timeout=90)
             except ConnectionRefusedError:
                 time.sleep(0.01)
                 continue
