@@ -309,7 +309,8 @@ def test_slow_importing_cmd_reload_keeps_the_old_worker_until_the_new_one_serves
         assert r.returncode == 0, (r.stdout, r.stderr)
         # uvicorn's own SIGTERM shutdown closes a connection it accepted in its last
         # instant before reading the request: at most that, never a stall or a refusal
-        assert len(res.failures) <= 2 and all("Reset" in f for f in res.failures), res.failures[:5]
+        assert len(res.failures) <= 2 and all("Reset" in f or "RemoteDisconnected" in f for f in res.failures), \
+            res.failures[:5]
         new = sup.slots()[0]
         assert new["pid"] != old and new["generation"] == 2
         events = [e for e in sup.events() if e.get("event") in ("worker_ready", "worker_exit")]
