@@ -32,6 +32,7 @@ from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.leak import LeakSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
 from numaserve.supervisor.admin import AdminConfig
+from numaserve.supervisor.cmdready import CmdConfig
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
@@ -68,6 +69,7 @@ class ServerConfig(_Section):
     read_timeout: float = 30.0
     access_log: bool = False
     steering: Literal["hash", "numa"] = "hash"
+    takeover: bool = False
 
 
 class PlacementConfig(_Section):
@@ -97,6 +99,8 @@ class SupervisorConfig(_Section):
     backoff_reset_after: float = 60.0
     crash_loop_limit: int = 5
     crash_loop_window: float = 60.0
+    failed_retry_interval: float = 300.0
+    unresponsive_after: float = 0.0
     verify_interval: float = 30.0
 
 
@@ -146,6 +150,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     allocator: AllocatorConfig = msgspec.field(default_factory=AllocatorConfig)
+    cmd: CmdConfig = msgspec.field(default_factory=CmdConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -169,12 +174,14 @@ _POSITIVE = {
     ("supervisor", "ready_timeout"), ("supervisor", "backoff_initial"),
     ("supervisor", "backoff_max"), ("supervisor", "crash_loop_limit"),
     ("supervisor", "crash_loop_window"), ("supervisor", "stop_timeout"),
+    ("supervisor", "failed_retry_interval"), ("cmd", "probe_timeout"), ("cmd", "probe_interval"),
 }
 _NON_NEGATIVE = {
     ("framing", "idle_timeout"), ("cache", "ttl"), ("allocator", "malloc_arena_max"),
     ("server", "graceful_timeout"), ("server", "lb_grace"), ("server", "keepalive_timeout"), ("server", "max_connections"),
     ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
+    ("supervisor", "unresponsive_after"),
 }
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")
 
@@ -247,6 +254,17 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     if cfg.supervisor.heartbeat_timeout <= cfg.supervisor.heartbeat_interval:
         raise bad("supervisor", "heartbeat_timeout", cfg.supervisor.heartbeat_timeout,
                   f"more than supervisor.heartbeat_interval ({cfg.supervisor.heartbeat_interval})")
+    sup = cfg.supervisor
+    if sup.unresponsive_after and not sup.heartbeat_interval < sup.unresponsive_after <= sup.heartbeat_timeout:
+        raise bad("supervisor", "unresponsive_after", sup.unresponsive_after,
+                  f"0 (auto: 2 heartbeat intervals) or more than supervisor.heartbeat_interval "
+                  f"({sup.heartbeat_interval}) and at most supervisor.heartbeat_timeout ({sup.heartbeat_timeout})")
+    from numaserve.supervisor.cmdready import parse_ready
+
+    try:
+        parse_ready(cfg.cmd.ready)
+    except ValueError as e:
+        raise bad("cmd", "ready", cfg.cmd.ready, str(e)) from None
     from numaserve.workerenv import check_env_config  # local: avoids an import cycle
 
     for key, value, why in check_env_config(cfg.env):

@@ -11,11 +11,13 @@ every waiting connection for the next worker (FACTS §7.1, §7.8).
 from __future__ import annotations
 
 import errno
+import re
 import socket
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from numaserve.config import parse_bind
-from numaserve.errors import NumaserveError
+from numaserve.errors import NumaserveError, UsageError
 
 SO_REUSEPORT = getattr(socket, "SO_REUSEPORT", 15)
 
@@ -56,6 +58,18 @@ class ListenerSet:
                 seen.append(lst.address)
         return seen
 
+    def inodes(self) -> set[int]:
+        """Socket inodes of every listener (to tell ours from others' in socket tables)."""
+        import os
+
+        out = set()
+        for lst in self.all():
+            try:
+                out.add(os.fstat(lst.fd).st_ino)
+            except OSError:
+                continue
+        return out
+
     def close(self) -> None:
         for lst in self.all():
             try:
@@ -63,6 +77,66 @@ class ListenerSet:
             except OSError:
                 pass
         self.by_slot.clear()
+
+
+@dataclass(frozen=True)
+class BindAddress:
+    """One ``server.bind`` entry, resolved: the numeric address actually bound."""
+
+    text: str      # as configured, for messages
+    host: str      # numeric address (no brackets)
+    port: int
+    family: int
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if self.family == socket.AF_INET6 else f"{self.host}:{self.port}"
+
+
+_DOTTED = re.compile(r"^[0-9.]+$")
+
+
+def resolve_bind(text: str) -> BindAddress:
+    """``HOST:PORT`` → the address to bind; UsageError (exit 2) naming what is wrong.
+
+    Runs before anything starts, so ``--bind 300.1.1.1:80`` is a usage error,
+    not a half-started supervisor.
+    """
+    try:
+        host, port = parse_bind(text)
+    except ValueError as e:
+        raise UsageError(f"server.bind {text!r}: {e}") from None
+    if _DOTTED.match(host) and host.count(".") != 3:  # inet_aton would read "1.2.3" as 1.2.0.3
+        raise UsageError(f"server.bind {text!r}: {host} is not a valid IPv4 address "
+                         "(four numbers 0-255 separated by dots)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        if _DOTTED.match(host):
+            raise UsageError(f"server.bind {text!r}: {host} is not a valid IPv4 address "
+                             "(four numbers 0-255 separated by dots)") from None
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise UsageError(f"server.bind {text!r}: cannot resolve host {host!r}: {why}") from None
+    fam, _, _, _, sockaddr = infos[0]
+    if fam not in (socket.AF_INET, socket.AF_INET6):
+        raise UsageError(f"server.bind {text!r}: not an IPv4 or IPv6 address")
+    return BindAddress(text, str(sockaddr[0]), port, fam)
+
+
+def resolve_binds(binds: Iterable[str]) -> list[BindAddress]:
+    """Every bind entry resolved; the same address twice is refused (it would put
+    two sockets per slot in one group and break the slot = group position rule)."""
+    out: list[BindAddress] = []
+    for text in binds:
+        b = resolve_bind(text)
+        same = next((o for o in out if (o.family, o.host, o.port) == (b.family, b.host, b.port) and b.port), None)
+        if same is not None:
+            raise UsageError(f"server.bind: {b.text!r} and {same.text!r} are the same address ({b.address})")
+        out.append(b)
+    return out
 
 
 def _family(host: str) -> int:
@@ -77,7 +151,13 @@ def _family(host: str) -> int:
 
 
 def make_listener(host: str, port: int, backlog: int) -> socket.socket:
-    """One TCP listener with SO_REUSEPORT (identical options on every slot)."""
+    """One TCP listener with SO_REUSEPORT (identical options on every slot).
+
+    Non-blocking: the open file description is shared with every worker that
+    inherits it (event-driven servers set this themselves anyway), and the
+    supervisor must be able to take stranded connections off a dead slot's
+    queue without ever blocking its loop.
+    """
     fam = _family(host)
     sock = socket.socket(fam, socket.SOCK_STREAM)
     try:
@@ -88,6 +168,7 @@ def make_listener(host: str, port: int, backlog: int) -> socket.socket:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))
         sock.listen(backlog)
+        sock.setblocking(False)
     except OSError as e:
         sock.close()
         hint = ""
@@ -101,7 +182,7 @@ def make_listener(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def open_listeners(binds: list[str], slots: list[int], backlog: int) -> ListenerSet:
+def open_listeners(binds: list[str] | list[BindAddress], slots: list[int], backlog: int) -> ListenerSet:
     """Create every slot's listeners, in slot order, for every bind address.
 
     Port 0 picks one free port for the first slot and reuses it for the rest,
@@ -110,8 +191,8 @@ def open_listeners(binds: list[str], slots: list[int], backlog: int) -> Listener
     out = ListenerSet()
     try:
         for bind in binds:
-            host, port = parse_bind(bind)
-            fam = _family(host)
+            b = bind if isinstance(bind, BindAddress) else resolve_bind(bind)
+            host, port, fam = b.host, b.port, b.family
             for slot in slots:
                 sock = make_listener(host, port, backlog)
                 if port == 0:

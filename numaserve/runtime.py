@@ -54,8 +54,13 @@ def tight_umask() -> Iterator[None]:
         os.umask(old)
 
 
-def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` 0700 (owned by us) or refuse one others could enter."""
+def ensure_private_dir(path: Path, *, tighten: bool = True) -> None:
+    """Create ``path`` 0700 (owned by us) or refuse one others could enter.
+
+    ``tighten=False`` only checks: a process that does not (yet) hold the
+    directory's lock must not change a live supervisor's directory (its mode
+    may be 0710 on purpose, for ``ops.readonly_group``).
+    """
     with tight_umask():
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -68,7 +73,7 @@ def ensure_private_dir(path: Path) -> None:
         raise NumaserveError(
             f"runtime directory {path}: owned by uid {st.st_uid}, not us ({os.geteuid()}); refusing to use it"
         )
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if tighten and stat.S_IMODE(st.st_mode) & 0o077:
         # ours, but too open (e.g. created by hand, or 0710 from a previous run
         # with a read-only group): tighten before any socket exists
         os.chmod(path, 0o700)
@@ -84,6 +89,29 @@ class RuntimeDir:
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.path / name}"
 
+    def refuse_if_held(self) -> None:
+        """UsageError when a live supervisor holds this directory; touches nothing.
+
+        Lets ``start`` say so before anything else (a shared lock attempt on
+        the existing lock file: no file is created, nothing is removed).
+        """
+        try:
+            fd = os.open(self.path / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # no lock file (or no directory): nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise UsageError(self._held_message()) from None
+        finally:
+            os.close(fd)
+
+    def _held_message(self) -> str:
+        pid = read_pid(self.path)
+        return (f"another supervisor (pid {pid or '?'}) is running with runtime directory {self.path}; "
+                "stop it first or use another --runtime-dir")
+
     def acquire(self) -> None:
         """Lock the directory for this supervisor and clear stale files.
 
@@ -91,7 +119,10 @@ class RuntimeDir:
         however it dies, so files a killed supervisor left behind never block
         the next start; a *live* supervisor's lock does.
         """
-        ensure_private_dir(self.path)
+        # Nothing in the directory changes before the lock is ours: a refused
+        # start (a live supervisor holds it) must leave that supervisor's
+        # sockets, pid file and directory mode exactly as they were.
+        ensure_private_dir(self.path, tighten=False)
         with tight_umask():
             fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -99,13 +130,10 @@ class RuntimeDir:
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                pid = read_pid(self.path)
-                raise UsageError(
-                    f"another supervisor (pid {pid or '?'}) is running with runtime directory {self.path}; "
-                    "stop it first or use another --runtime-dir"
-                ) from None
+                raise UsageError(self._held_message()) from None
             raise
         self.lock_fd = fd
+        ensure_private_dir(self.path)  # ours now: tighten a mode left open (0710 from an earlier run)
         for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
@@ -135,13 +163,25 @@ class RuntimeDir:
         os.chown(p, -1, gid)
         os.chmod(p, 0o660)
 
+    @property
+    def held(self) -> bool:
+        """True once ``acquire()`` succeeded (until ``release()``)."""
+        return self.lock_fd is not None
+
     def release(self) -> None:
+        """Remove our files and drop the lock; a no-op unless we hold the lock.
+
+        Called on every exit path of ``start``, including a start refused
+        because another supervisor holds the directory: those files are the
+        other supervisor's, and removing them would cut its control plane.
+        """
+        if self.lock_fd is None:
+            return
         for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)
-            self.lock_fd = None
+        os.close(self.lock_fd)
+        self.lock_fd = None
 
 
 def read_pid(path: Path) -> int | None:

@@ -96,12 +96,21 @@ def build_cpu_table_program(cpu_to_slot: Mapping[int, int]) -> list[Insn]:
     return prog
 
 
+def _load_source_port(ipv6: bool) -> list[Insn]:
+    """A = the client's TCP source port (read relative to the network header)."""
+    if ipv6:
+        return [(BPF_LD | BPF_H | BPF_ABS, 0, 0, (SKF_NET_OFF + 40) & _U32)]
+    return [(BPF_LDX | BPF_B | BPF_MSH, 0, 0, SKF_NET_OFF & _U32),
+            (BPF_LD | BPF_H | BPF_IND, 0, 0, SKF_NET_OFF & _U32)]
+
+
 def build_selection_program(
     *,
     healthy: Sequence[int],
     group_size: int,
     cpu_to_pos: Mapping[int, int] | None = None,
     ipv6: bool = False,
+    probes: Mapping[int, int] | None = None,
 ) -> list[Insn] | None:
     """The program for a slot set where some slots must not get new connections.
 
@@ -109,9 +118,12 @@ def build_selection_program(
     drained).  ``cpu_to_pos``: optional NUMA table (CPU → position) tried
     first.  Connections the table does not place are spread over the healthy
     positions by a multiplicative hash of the client's source port (the
-    kernel's own hash would include unhealthy sockets).  Returns None when plain kernel
-    hashing is right: every slot healthy and no NUMA table, or no slot
-    healthy at all (then queues must keep filling for the replacements).
+    kernel's own hash would include unhealthy sockets).  ``probes``: source
+    port → position, checked before anything else: the supervisor's own probe
+    connections reach the one slot they test, whatever its health.  Returns
+    None when plain kernel hashing is right: no probes, and every slot healthy
+    with no NUMA table, or no slot healthy at all (then queues must keep
+    filling for the replacements).
 
     The source port is read relative to the network header (``SKF_NET_OFF``):
     IPv4 via ``ldx 4*([0]&0xf)`` (honours IP options), IPv6 at offset 40.
@@ -119,23 +131,28 @@ def build_selection_program(
     pos = sorted(set(healthy))
     if any(p < 0 or p >= group_size for p in pos):
         raise ValueError(f"healthy positions {pos} outside a group of {group_size}")
+    probe_map = dict(probes or {})
+    if any(not 0 <= p < group_size for p in probe_map.values()) or any(not 0 < sp < 65536 for sp in probe_map):
+        raise ValueError(f"probe entries {probe_map} outside a group of {group_size} or not ports")
     table = dict(cpu_to_pos or {})
     everyone = len(pos) == group_size
-    if not pos:
-        return None
-    if everyone and not table:
-        return None
     prog: list[Insn] = []
+    if probe_map:
+        prog += _load_source_port(ipv6)
+        for sport, p in sorted(probe_map.items()):
+            prog.append((BPF_JMP | BPF_JEQ | BPF_K, 0, 1, sport))
+            prog.append((BPF_RET | BPF_K, 0, 0, p))
+    elif not pos or (everyone and not table):
+        return None
+    if not pos or (everyone and not table):
+        prog.append((BPF_RET | BPF_K, 0, 0, HASH_FALLBACK))
+        return prog
     if table:
-        prog = build_cpu_table_program(table)[:-1]  # drop the final "ret hash": fall into the spread below
+        prog += build_cpu_table_program(table)[:-1]  # drop the final "ret hash": fall into the spread below
         if everyone:
             prog.append((BPF_RET | BPF_K, 0, 0, HASH_FALLBACK))
             return prog
-    if ipv6:
-        prog.append((BPF_LD | BPF_H | BPF_ABS, 0, 0, (SKF_NET_OFF + 40) & _U32))
-    else:
-        prog.append((BPF_LDX | BPF_B | BPF_MSH, 0, 0, SKF_NET_OFF & _U32))
-        prog.append((BPF_LD | BPF_H | BPF_IND, 0, 0, SKF_NET_OFF & _U32))
+    prog += _load_source_port(ipv6)
     # Linux clients prefer *even* ephemeral ports for connect(): mix before the
     # modulo or a 2-way split sends nearly everything to one side.
     prog.append((BPF_ALU | BPF_MUL | BPF_K, 0, 0, _KNUTH))

@@ -80,6 +80,16 @@ def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: f
         raise
 
 
+def _state(s: dict[str, Any]) -> str:
+    """The slot state, plus what an operator needs next to it (steered away, when a retry comes)."""
+    st = str(s["state"])
+    if s.get("unresponsive_s") is not None:
+        st += f",silent {s['unresponsive_s']:.0f}s"
+    if s.get("retry_in_s") is not None:
+        st += f",retry {_duration(s['retry_in_s'])}"
+    return st
+
+
 def _mb(n: int | None) -> str:
     """45.3M, 1.15G: memory sizes short enough for a column."""
     if not n:
@@ -129,7 +139,7 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
         pol = s["mempolicy"] + (":" + format_list(s["memory_nodes"]) if s["memory_nodes"] else "")
         rows.append({
             "slot": str(s["slot"]), "node": str(s["node"]), "pid": str(s["pid"] or "-"),
-            "gen": str(s["generation"]), "state": s["state"], "cpus": format_list(s["cpus"]),
+            "gen": str(s["generation"] or "-"), "state": _state(s), "cpus": format_list(s["cpus"]),
             "mempolicy": pol,
             "binding": "verified" if verified else ("-" if verified is None else "MISMATCH"),
             "rss": _mb(s["rss_bytes"]), "up": _duration(s["uptime_s"]), "restarts": str(s["restarts"]),

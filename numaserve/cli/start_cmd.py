@@ -37,6 +37,10 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 @click.option("--mempolicy", default=None, type=click.Choice(["bind", "preferred", "interleave", "local"]))
 @click.option("--steering", default=None, type=click.Choice(["hash", "numa"]),
               help="Connection steering: kernel hash, or to a slot on the receiving CPU's node.")
+@click.option("--takeover", is_flag=True, default=None,
+              help="Start even when another process listens on a bind address, sharing it (an upgrade).")
+@click.option("--allow-host-port", is_flag=True, default=None,
+              help="Let --cmd use {host}/{port} (the command then binds its own sockets; see README).")
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -53,14 +57,17 @@ def start(
     declared: str | None,
     mempolicy: str | None,
     steering: str | None,
+    takeover: bool | None,
+    allow_host_port: bool | None,
 ) -> None:
     """Start one pinned, memory-bound worker per NUMA node and supervise them.
 
     Runs in the foreground. SIGTERM/SIGINT stop gracefully (in-flight requests
     finish up to server.graceful_timeout); a second signal stops fast.
-    Exit status: 0 graceful stop, 1 fatal error, 2 bad config or arguments,
-    3 no slot could start (e.g. the app does not import), 4 stopped but
-    workers had to be killed.
+    Exit status: 0 graceful stop, 1 fatal error, 2 bad config or arguments
+    (including a bind address another process listens on), 3 no slot could
+    start (e.g. the app does not import), 4 stopped but workers had to be
+    killed.
     """
     if app and cmd:
         raise UsageError("--app and --cmd exclude each other: give one")
@@ -71,6 +78,7 @@ def start(
         "app_dir": app_dir,
         "backlog": backlog,
         "steering": steering,
+        "takeover": takeover or None,
     }
     # a flag choosing one kind of worker clears the other kind set in the file
     if app:
@@ -87,6 +95,7 @@ def start(
             "mempolicy": mempolicy,
         },
         "supervisor": {"runtime_dir": runtime_dir},
+        "cmd": {"allow_host_port": allow_host_port or None},
     }
     cfg = config_from_flags(config_path, overrides, ctx)
 
@@ -94,14 +103,19 @@ def start(
 
     configure_logging(cfg.log.level, cfg.log.format, stream=sys.stderr, process="supervisor")
 
+    from numaserve.listeners import resolve_binds
     from numaserve.placement import make_plan
+    from numaserve.portowners import check_binds
     from numaserve.runtime import RuntimeDir, resolve_runtime_dir
     from numaserve.supervisor.arbiter import Supervisor
     from numaserve.supervisor.spawn import check_cmd_template
     from numaserve.topology import discover
 
+    # Everything that can refuse the start runs before the runtime directory
+    # is touched and before any socket listens: a refused start changes nothing.
+    binds = resolve_binds(cfg.server.bind)
     if cfg.server.cmd:
-        check_cmd_template(cfg.server.cmd)
+        check_cmd_template(cfg.server.cmd, allow_host_port=cfg.cmd.allow_host_port)
     from numaserve.allocator import check_allocator
     from numaserve.worker.tls import check_tls
 
@@ -109,7 +123,12 @@ def start(
     check_allocator(cfg.allocator)
     topo = discover(cfg.placement.sysfs_root, declared=cfg.placement.topology_file or None)
     plan = make_plan(topo, cfg.placement)
+    import structlog
+
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))
+    runtime.refuse_if_held()
+    for warning in check_binds(binds, takeover=cfg.server.takeover):
+        structlog.get_logger("numaserve.supervisor").warning("port_shared", detail=warning)
     sup = Supervisor(cfg, plan, runtime, config_path=config_path, topology=topo, overrides=_flag_overrides(ctx, overrides))
     try:
         sup.open()

@@ -10,11 +10,14 @@ prober should see.
   and the supervisor is not stopping; 503 otherwise.  "Alive" is the loop's
   heartbeat, not "the HTTP server answers": the server runs as another task
   and keeps answering when the main loop coroutine is stuck on an await.
-* ``/readyz`` — 200 when every non-drained slot is ready; 503 with the
-  unready slots as JSON otherwise (and from the first moment of a stop, so a
-  load balancer takes the instance out during ``server.lb_grace``, before its
-  workers drain).  Each request is noted (``sup.readyz_probes``): the grace
-  is only spent when something watches readiness.
+* ``/readyz`` — 200 when every non-drained slot is ready; 200 with
+  ``"status": "degraded"`` and the ``missing`` slots when the rest serve and
+  the missing ones are ``failed`` (retried on a long backoff); 503 with the
+  unready slots as JSON otherwise (a slot restarting, and from the first
+  moment of a stop, so a load balancer takes the instance out during
+  ``server.lb_grace``, before its workers drain).  Each request is noted
+  (``sup.readyz_probes``): the grace is only spent when something watches
+  readiness.
 * ``/metrics`` — Prometheus text from a registry holding only our collector.
 """
 
@@ -95,6 +98,13 @@ class LoopHeartbeat:
 # ----------------------------------------------------------------------- app
 
 
+def _settled_degraded(snap: Mapping[str, Any], unready: list[dict[str, Any]]) -> bool:
+    """Degraded, and every missing slot is ``failed`` (not merely restarting)."""
+    sv = snap.get("supervisor")
+    state = sv.get("state") if isinstance(sv, Mapping) else None
+    return state == "degraded" and all(u.get("state") == "failed" for u in unready)
+
+
 def _json(status: int, body: Mapping[str, Any]) -> tuple[int, bytes, bytes]:
     return status, json.dumps(body, default=str).encode() + b"\n", b"application/json"
 
@@ -141,9 +151,14 @@ def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: flo
         if getattr(sup, "stopping", False):
             return _json(503, {"status": "not ready", "reason": "stopping", "unready": []})
         try:
-            unready = unready_slots(sup.status())
+            snap = sup.status()
+            unready = unready_slots(snap)
         except Exception as e:  # never a 500 from a probe: say why
             return _json(503, {"status": "not ready", "reason": f"status unavailable: {e!r}", "unready": []})
+        if unready and _settled_degraded(snap, unready):
+            # started with some slots failed (retried later) and the rest serving:
+            # ready to take traffic at reduced capacity; say what is missing
+            return _json(200, {"status": "degraded", "missing": unready})
         if unready:
             return _json(503, {"status": "not ready", "unready": unready})
         return _json(200, {"status": "ready"})

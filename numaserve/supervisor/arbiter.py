@@ -48,10 +48,12 @@ from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_so
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lbgrace import GraceDecision, ProbeClock, decide_lb_grace
+from numaserve.supervisor import exits as X
 from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.operations import Operation, Operations
+from numaserve.supervisor.rescue import Rescuer
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
 
@@ -73,6 +75,15 @@ MAX_OPS_BYTES = 64 * 1024
 #: After lb_grace, how long the workers may take to accept what is queued before
 #: they are told to stop (a connection left in a listener at close is reset).
 ACCEPT_SETTLE_MAX_S = 5.0
+
+
+def process_frozen(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP/SIGTSTP: state T) or a tracer (t), not hung by itself."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def describe_exit(code: int | None) -> str:
@@ -113,6 +124,7 @@ class Supervisor:
             reset_after=sup.backoff_reset_after,
             loop_limit=sup.crash_loop_limit,
             loop_window=sup.crash_loop_window,
+            failed_retry=sup.failed_retry_interval,
         )
         self.slots: dict[int, S.SlotState] = {
             p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
@@ -122,6 +134,12 @@ class Supervisor:
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
+        self.rescuer = Rescuer()
+        self._probes: dict[int, asyncio.Task[None]] = {}   # id(worker) -> its readiness probe loop
+        self._shared_next = 0.0                             # takeover: next look for other owners
+        self._discovery: asyncio.Task[None] | None = None
+        self._ran = False
+        self._oom_seen = X.oom_kill_count()                 # to tell an OOM kill from an operator's kill -9
         self.irq_status: dict[str, Any] | None = None
         self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
@@ -174,12 +192,21 @@ class Supervisor:
         )
         self.admin_sock = open_admin_socket(self.cfg.admin)  # a taken port fails the start, before any worker
         self._apply_irqs()
-        self.steering = Steering(
-            self.listeners,
-            mode=self.cfg.server.steering,
-            cpu_node=self.topology.cpu_node() if self.topology else {},
-            slot_node={s.slot: s.node for s in self.plan.slots},
-        )
+        from numaserve.supervisor.cmdready import host_port_placeholders
+
+        own = host_port_placeholders(self.cfg.server.cmd) if self.cfg.server.cmd else []
+        if own:
+            # cmd.allow_host_port: the children bind their own sockets into the
+            # group, at positions the supervisor does not know: no program
+            log.warning("steering_off", reason="server.cmd binds its own sockets ({" + "}, {".join(own) + "})")
+        else:
+            self.steering = Steering(
+                self.listeners,
+                mode=self.cfg.server.steering,
+                cpu_node=self.topology.cpu_node() if self.topology else {},
+                slot_node={s.slot: s.node for s in self.plan.slots},
+            )
+            self._check_shared_port(time.monotonic())
         self.ctx = zmq.asyncio.Context()
         gid = self.runtime.share_with_group(self.cfg.ops.readonly_group) if self.cfg.ops.readonly_group else None
         with tight_umask():
@@ -314,6 +341,7 @@ class Supervisor:
                 log.error("admin_failed", error=str(e))
             self.admin_sock = None
         now = time.monotonic()
+        self._ran = True
         for slot in self.slots.values():
             self._start_worker(slot, now)
         try:
@@ -339,6 +367,8 @@ class Supervisor:
                     self._last_mem = now
                     self.leakwatch.tick(now)
                 self._steer()
+                self._rescue()
+                self._check_shared_port(now)
                 self._notify(now)
                 self._publish_stats(now)
                 self.wake.clear()
@@ -347,9 +377,12 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         finally:
-            for t in self._tasks + ([self._stop_task] if self._stop_task else []):
+            extra = list(self._probes.values()) + ([self._discovery] if self._discovery else []) + \
+                ([self._stop_task] if self._stop_task else [])
+            for t in self._tasks + extra:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
+            await self.rescuer.close()
             if self.admin is not None:
                 await self.admin.stop()
                 self.admin = None
@@ -388,7 +421,8 @@ class Supervisor:
         from numaserve.log import remove_event_sink
 
         remove_event_sink(self._event_sink)
-        log.info("stopped", exit_code=EXIT_FORCED if self.forced_kills else self.exit_code)
+        if self._ran:  # a start refused in open() never ran: it did not "stop"
+            log.info("stopped", exit_code=EXIT_FORCED if self.forced_kills else self.exit_code)
 
     # ---------------------------------------------------------------- workers
 
@@ -428,9 +462,10 @@ class Supervisor:
             slot.worker = self._spawn_generation(slot, now)
         except (OSError, NumaserveError) as e:
             log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
-            self._after_exit(slot, now, 0.0, f"spawn failed: {e}", counted=True)
+            self._after_exit(slot, now, 0.0, f"spawn failed: {e}", kind=X.BOOT)
             return
         slot.state = S.STARTING
+        slot.next_retry = None
 
     def _reap(self, now: float) -> None:
         for slot in self.slots.values():
@@ -446,6 +481,7 @@ class Supervisor:
         w.exit_code, w.exit_cause = code, reason
         w.exit_evt.set()
         w.ready_evt.set()  # wake anyone waiting for readiness: it will not come
+        self._stop_probe(w)
         slot.requests_before += w.stats.requests if w.stats else 0
         slot.totals_before.add_stats(w.stats)
         expected = self.stopping or (w.stop_sent is not None and not w.kill_reason)
@@ -465,62 +501,92 @@ class Supervisor:
             log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause)
             slot.state = S.DRAINED if slot.drained else S.STOPPED
             return
-        if code == WORKER_EXIT_APP_LOAD and not slot.ever_ready:
-            slot.failed_reason = w.goodbye or cause
+        oom = False
+        if code == -signal.SIGKILL and w.kill_reason is None:
+            count = X.oom_kill_count()
+            oom = count is not None and self._oom_seen is not None and count > self._oom_seen
+            self._oom_seen = count
+        verdict = X.classify_exit(code=code, was_ready=w.ready is not None, we_stopped=w.stop_sent is not None,
+                                  we_killed=w.kill_reason is not None, stopped_from_outside=w.stopped_outside,
+                                  goodbye=w.goodbye, oom_killed=oom)
+        failed_reason = (w.goodbye or cause) if code == WORKER_EXIT_APP_LOAD and w.ready is None else None
         log.warning(
-            "worker_crash",
+            "worker_crash",  # every unexpected exit (the event consumers know); ``kind`` says whose fault
             slot=slot.plan.slot,
             pid=w.pid,
             generation=w.generation,
             exit=cause,
             reason=reason,
+            kind=verdict.kind,
+            why=verdict.why,
             uptime_s=round(uptime, 3),
         )
-        self._after_exit(slot, now, uptime, reason, counted=True, boot=w.ready is None, code=code)
+        self._after_exit(slot, now, uptime, reason, kind=verdict.kind, code=code, failed_reason=failed_reason)
 
     def _after_exit(
-        self, slot: S.SlotState, now: float, uptime: float, reason: str, *, counted: bool,
-        boot: bool = True, code: int | None = None,
+        self, slot: S.SlotState, now: float, uptime: float, reason: str, *, kind: str,
+        code: int | None = None, failed_reason: str | None = None,
     ) -> None:
-        delay, looping = slot.restart.record_exit(now, uptime, counted=counted)
+        """Account for an unexpected exit (``kind`` from ``supervisor.exits``) and
+        decide: restart after a delay, or mark the slot failed (retried later)."""
+        external = kind == X.EXTERNAL
+        delay, looping = slot.restart.record_exit(now, uptime, external=external)
         slot.restarts += 1
         slot.last_restart_reason = reason
+        slot.last_exit_kind = kind
         cls = S.restart_reason_class(reason)
-        slot.totals_before.restarts_by_reason[cls] = slot.totals_before.restarts_by_reason.get(cls, 0) + 1
-        boot_failure = boot and code in (WORKER_EXIT_APP_LOAD, LAUNCH_EXIT_BIND_FAILED, LAUNCH_EXIT_NOT_FOUND)
+        totals = slot.totals_before
+        totals.restarts_by_reason[cls] = totals.restarts_by_reason.get(cls, 0) + 1
+        totals.exits_by_kind[kind] = totals.exits_by_kind.get(kind, 0) + 1
+        boot_failure = kind == X.BOOT and code in (WORKER_EXIT_APP_LOAD, LAUNCH_EXIT_BIND_FAILED, LAUNCH_EXIT_NOT_FOUND)
         # At start-up (no slot has served yet) a deterministic boot failure is
-        # final for the slot, so a broken app fails fast with its reason.
+        # final for the slot, so a broken app fails fast with its reason; a
+        # retry of a failed slot gets one attempt before it is failed again.
         never_served = not any(s.ever_ready for s in self.slots.values())
-        if looping or (boot_failure and never_served):
-            slot.state = S.FAILED
-            slot.failed_reason = slot.failed_reason or reason
-            log.error(
-                "slot_failed",
-                slot=slot.plan.slot,
-                reason=slot.failed_reason,
-                crashes_in_window=len(slot.restart.crashes),
-                window_s=self.policy.loop_window,
-            )
+        if looping or (boot_failure and never_served) or (slot.retrying and not external):
+            self._fail_slot(slot, now, failed_reason or reason)
             return
         slot.state = S.BACKOFF
         slot.next_start = now + delay
-        log.info("backoff", slot=slot.plan.slot, delay_s=round(delay, 3), consecutive=slot.restart.consecutive)
+        log.info("backoff", slot=slot.plan.slot, delay_s=round(delay, 3), consecutive=slot.restart.consecutive,
+                 kind=kind)
+
+    def _fail_slot(self, slot: S.SlotState, now: float, reason: str) -> None:
+        """Out of service until ``supervisor.failed_retry_interval`` passes (or ``restart --slot``)."""
+        slot.state = S.FAILED
+        slot.failed_reason = reason
+        slot.retrying = False
+        slot.next_retry = now + slot.restart.retry_delay()
+        log.error(
+            "slot_failed",
+            slot=slot.plan.slot,
+            reason=reason,
+            crashes_in_window=len(slot.restart.crashes),
+            window_s=self.policy.loop_window,
+            retry_in_s=round(slot.next_retry - now, 1),
+        )
 
     def _check_boot_failure(self) -> None:
-        """No slot could start: every slot failed before any was ever ready."""
+        """No slot could ever start: every slot failed before any was ever ready.
+
+        Once any slot has served, the supervisor never gives up: failed slots
+        are retried on ``supervisor.failed_retry_interval``.
+        """
         states = [s.state for s in self.slots.values()]
         if states and all(st == S.FAILED for st in states) and not any(s.ever_ready for s in self.slots.values()):
             reasons = sorted({s.failed_reason or "unknown" for s in self.slots.values()})
             self.fatal = "no slot could start: " + "; ".join(reasons)
             self.exit_code = EXIT_NO_SLOT
-        elif states and all(st == S.FAILED for st in states):
-            reasons = sorted({s.failed_reason or "unknown" for s in self.slots.values()})
-            self.fatal = "every slot failed: " + "; ".join(reasons)
-            self.exit_code = EXIT_ERROR
 
     def _restart_due(self, now: float) -> None:
         for slot in self.slots.values():
-            if slot.state == S.BACKOFF and slot.worker is None and not slot.drained and now >= slot.next_start:
+            if slot.worker is not None or slot.drained:
+                continue
+            if slot.state == S.BACKOFF and now >= slot.next_start:
+                self._start_worker(slot, now)
+            elif slot.state == S.FAILED and slot.next_retry is not None and now >= slot.next_retry:
+                log.info("slot_retry", slot=slot.plan.slot, after=slot.failed_reason)
+                slot.retrying = True
                 self._start_worker(slot, now)
 
     def _readiness(self, now: float) -> None:
@@ -528,19 +594,65 @@ class Supervisor:
         if all(s.state == S.READY for s in slots):
             if not self.all_ready_logged:
                 self.all_ready_logged = True
-                self.state = "running"
                 log.info("ready", slots=len(slots), startup_s=round(now - self.started, 3))
-        elif self.state == "running" and not self.stopping:
-            self.state = "degraded"
-        if self.state == "degraded" and all(s.state == S.READY for s in slots):
             self.state = "running"
-        # External commands have no control channel: ready once alive for a grace
-        # period and the launcher has exec'd them (binding verified from outside).
+        elif self.state == "starting":
+            # boot settled with some slots failed and the rest serving: that is
+            # a state to report (READY=1, STATUS, /readyz), not to wait out
+            if any(s.state == S.READY for s in slots) and all(s.state in (S.READY, S.FAILED) for s in slots):
+                self.state = "degraded"
+                log.warning("ready_degraded", serving=[s.plan.slot for s in slots if s.state == S.READY],
+                            failed={str(s.plan.slot): s.failed_reason for s in slots if s.state == S.FAILED},
+                            startup_s=round(now - self.started, 3))
+        elif self.state == "running":
+            self.state = "degraded"
         for s in slots:
             for w in (s.worker, s.incoming):
-                if w and w.external and w.ready is None and now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
+                if w and w.external and w.ready is None and w.popen.poll() is None:
+                    self._external_readiness(s, w, now)
+
+    def _external_readiness(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
+        """External commands have no control channel: the supervisor probes the
+        slot (``[cmd] ready``) until the new process accepts (and answers)."""
+        from numaserve.supervisor.cmdready import parse_ready
+
+        spec = parse_ready(self.cfg.cmd.ready)
+        if spec.kind == "alive" or self.steering is None or self.steering.paused:
+            if now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
+                w.last_beat = now
+                self._on_ready(slot, w, now)
+            return
+        if id(w) not in self._probes:
+            self._probes[id(w)] = asyncio.get_running_loop().create_task(
+                self._probe_loop(slot, w, spec), name=f"probe-{slot.plan.slot}-{w.generation}")
+
+    async def _probe_loop(self, slot: S.SlotState, w: S.WorkerProc, spec: Any) -> None:
+        from numaserve.supervisor.probe import probe_slot, process_tree
+
+        assert self.steering is not None
+        lst = self.listeners.by_slot[slot.plan.slot][0]
+        c = self.cfg.cmd
+        try:
+            while w.ready is None and w.popen.poll() is None and not self.stopping:
+                res = await probe_slot(self.steering, lst, slot.plan.slot, lambda: process_tree(w.pid), spec,
+                                       c.probe_timeout)
+                if res.note != w.probe_note:
+                    log.debug("probe", slot=slot.plan.slot, pid=w.pid, ok=res.ok, note=res.note)
+                w.probe_note = res.note
+                if res.ok and w.popen.poll() is None:
+                    now = time.monotonic()
                     w.last_beat = now
-                    self._on_ready(s, w, now)
+                    self._on_ready(slot, w, now)
+                    self.wake.set()
+                    return
+                await asyncio.sleep(c.probe_interval)
+        finally:
+            self._probes.pop(id(w), None)
+
+    def _stop_probe(self, w: S.WorkerProc) -> None:
+        t = self._probes.pop(id(w), None)
+        if t is not None:
+            t.cancel()
 
     def _on_ready(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
         if w.ready is not None:
@@ -551,19 +663,25 @@ class Supervisor:
             self._mark_ready(slot, now)
         elif w is slot.incoming:
             log.info("worker_ready", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
-                     boot_s=round(now - w.started, 3), role="incoming")
+                     boot_s=round(now - w.started, 3), role="incoming",
+                     **({"probe": w.probe_note} if w.external else {}))
 
     def _mark_ready(self, slot: S.SlotState, now: float) -> None:
         slot.state = S.READY
         slot.ever_ready = True
         slot.failed_reason = None
+        slot.next_retry = None
+        if slot.retrying:  # a failed slot came back: its crash history is over
+            slot.retrying = False
+            slot.restart.reset()
         w = slot.worker
         log.info(
             "worker_ready",
             slot=slot.plan.slot,
             pid=w.pid if w else None,
-            generation=slot.generation,
+            generation=w.generation if w else None,
             boot_s=round(now - w.started, 3) if w else None,
+            **({"probe": w.probe_note} if w and w.external else {}),
         )
 
     # --------------------------------------------------------------- watchdog
@@ -588,18 +706,48 @@ class Supervisor:
                     continue
                 if self.stopping or w in slot.retiring:
                     continue
+                self._responsiveness(slot, w, now)
                 reason = None
                 if w.ready is None and now - w.started > sup.ready_timeout:
                     reason = f"not ready within {sup.ready_timeout:g}s"
+                    if w.external and w.probe_note:
+                        reason += f" (last probe: {w.probe_note})"
                 elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
                     reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
                 if reason:
+                    w.stopped_outside = w.stopped_outside or process_frozen(w.pid)
+                    if w.stopped_outside:
+                        reason = f"frozen from outside (SIGSTOP): {reason}"
                     w.kill_reason = reason
                     w.abort_sent = now
                     log.warning("hang", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
                     # SIGABRT first (a Python worker dumps its stack via faulthandler);
                     # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
                     self._signal(w, signal.SIGABRT)
+
+    def unresponsive_after(self) -> float:
+        sup = self.cfg.supervisor
+        return sup.unresponsive_after or min(2.0 * sup.heartbeat_interval, sup.heartbeat_timeout)
+
+    def _responsiveness(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
+        """A serving worker that misses heartbeats leaves steering at once; the
+        kill (``heartbeat_timeout``) comes later and only if it stays silent."""
+        if w.ready is None or w.external or w.last_beat is None:
+            return
+        silent = now - w.last_beat
+        if silent > self.unresponsive_after():
+            if w.unresponsive_since is None:
+                w.unresponsive_since = now
+                w.stopped_outside = process_frozen(w.pid)
+                log.warning("unresponsive", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
+                            silent_s=round(silent, 3), frozen=w.stopped_outside,
+                            action="no new connections; queued ones handed to serving slots")
+                self.wake.set()
+        elif w.unresponsive_since is not None:
+            log.info("responsive_again", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
+                     away_s=round(now - w.unresponsive_since, 3))
+            w.unresponsive_since = None
+            w.stopped_outside = False
 
     def _kill(self, w: S.WorkerProc, now: float) -> None:
         self._signal(w, signal.SIGKILL)
@@ -939,8 +1087,10 @@ class Supervisor:
                 slot.state = S.STOPPED
 
     def healthy_slots(self) -> list[int]:
-        """Slots that should receive new connections: a worker is serving there."""
-        return [s.plan.slot for s in self.slots.values() if s.state == S.READY and not s.drained]
+        """Slots that should receive new connections: a worker is serving there
+        and answering (heartbeats no older than ``unresponsive_after``)."""
+        return [s.plan.slot for s in self.slots.values() if s.state == S.READY and not s.drained
+                and not (s.worker is not None and s.worker.unresponsive_since is not None)]
 
     def _steering_status(self) -> dict[str, Any] | None:
         if self.steering is None:
@@ -959,7 +1109,86 @@ class Supervisor:
     def _steer(self) -> None:
         # during the lb grace the slots still serve: keep steering off dead ones
         if self.steering is not None and (not self.stopping or self.stop_phase == "lb_grace"):
-            self.steering.update(self.healthy_slots())
+            # while nothing serves yet, new connections wait on slots whose
+            # worker is booting, never on one that failed or backs off
+            booting = [s.plan.slot for s in self.slots.values()
+                       if s.state == S.STARTING and s.worker is not None and not s.drained]
+            self.steering.update(self.healthy_slots(), fallback=booting)
+
+    def _check_shared_port(self, now: float) -> None:
+        """``server.takeover``: no program while another owner shares a group;
+        once it left, measure where our sockets sit, then steer again."""
+        st = self.steering
+        if st is None or not self.cfg.server.takeover or now < self._shared_next:
+            return
+        self._shared_next = now + 2.0
+        from numaserve.supervisor import takeover as T
+
+        try:
+            peers = T.group_peers(self.listeners)
+        except OSError as e:
+            log.warning("port_share_check_failed", error=str(e))
+            return
+        if peers:
+            if st.paused is None:
+                from numaserve.portowners import owners
+
+                table = owners(p.inode for p in peers)
+                who = sorted({f"pid {o.pid}" for p in peers for o in table.get(p.inode, [])}) or ["another user"]
+                st.paused = f"port shared with {', '.join(who)} (takeover): kernel hash over both owners"
+                log.warning("steering_paused", reason=st.paused, sockets=len(peers))
+                st._apply()
+            return
+        if st.paused is not None and (self._discovery is None or self._discovery.done()) and self._ran:
+            self._discovery = asyncio.get_running_loop().create_task(self._discover_positions())
+
+    async def _discover_positions(self) -> None:
+        from numaserve.supervisor.probe import process_tree
+        from numaserve.supervisor.takeover import discover_positions
+
+        st = self.steering
+        assert st is not None
+        owner: dict[int, int] = {}
+        for s in self.slots.values():
+            if s.worker is not None and s.worker.popen.poll() is None:
+                owner.update({p: s.plan.slot for p in process_tree(s.worker.pid)})
+        maps = []
+        for first in self.listeners.by_slot[min(self.listeners.by_slot)]:
+            found = await discover_positions(first, len(self.slots), owner.get)
+            if found is None:
+                log.info("steering_positions_unknown", address=first.address, retry_s=2.0)
+                st._applied = None  # our probes replaced the program: put back whatever we had
+                return
+            maps.append(found)
+        st.group_pos = maps
+        st.paused = None
+        st._applied = None
+        log.info("steering_resumed", positions=[{str(k): v for k, v in sorted(m.items())} for m in maps])
+        self._steer()
+
+    def stranded_slots(self) -> list[int]:
+        """Slots whose queued connections nobody will accept soon: no worker
+        (backoff, failed, drained) or a worker that stopped answering."""
+        out = []
+        for s in self.slots.values():
+            if s.state == S.DRAINING:
+                continue  # its worker takes the queue before it is told to drain
+            w = s.worker
+            if (w is None and s.state in (S.BACKOFF, S.FAILED, S.DRAINED)) or \
+                    (w is not None and s.state == S.READY and w.unresponsive_since is not None):
+                out.append(s.plan.slot)
+        return out
+
+    def _rescue(self) -> None:
+        """Hand connections stranded on a non-serving slot to a serving one."""
+        st = self.steering
+        if st is None or self.stopping or not st.attached or not st.healthy:
+            return
+        healthy = set(st.healthy)
+        stranded = [(sid, lst) for sid in self.stranded_slots() if sid not in healthy
+                    for lst in self.listeners.by_slot.get(sid, [])]
+        if stranded:
+            self.rescuer.tick(stranded)
 
     # ----------------------------------------------------------------- reload
 
@@ -1011,6 +1240,10 @@ class Supervisor:
 
             check_tls(new_cfg.tls)
             check_allocator(new_cfg.allocator)
+            if new_cfg.server.cmd:
+                from numaserve.supervisor.spawn import check_cmd_template
+
+                check_cmd_template(new_cfg.server.cmd, allow_host_port=new_cfg.cmd.allow_host_port)
             topo = discover(new_cfg.placement.sysfs_root, declared=new_cfg.placement.topology_file or None)
             new_plan = make_plan(topo, new_cfg.placement)
         except NumaserveError as e:
@@ -1050,14 +1283,19 @@ class Supervisor:
             ready = states.count(S.READY)
             extra = sorted({st for st in states if st != S.READY})
             parts.append(f"node{node} {ready}/{len(states)} ready" + (f" ({','.join(extra)})" if extra else ""))
-        return f"{self.state}: " + "; ".join(parts)
+        line = f"{self.state}: " + "; ".join(parts)
+        failed = [s for s in self.slots.values() if s.state == S.FAILED]
+        if failed:  # say what is missing and why (systemctl status shows this line)
+            line += "; missing: " + "; ".join(
+                f"slot {s.plan.slot} failed ({(s.failed_reason or '?')[:120]})" for s in failed)
+        return line[:500]
 
     def _notify(self, now: float) -> None:
         n = self.notifier
         if not n.enabled:
             return
         line = self.status_line()
-        if self.state == "running" and not n.ready_sent:
+        if self.state in ("running", "degraded") and not n.ready_sent:
             n.ready(line)
         elif line != self.last_status_line:
             n.status(line)
@@ -1135,6 +1373,7 @@ class Supervisor:
                 },
                 "bad_messages": self.bad_messages,
                 "steering": self._steering_status(),
+                "rescue": self.rescuer.status(),
                 "admin": self.admin.address if self.admin else None,
                 "irq": self.irq_status,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),
@@ -1158,6 +1397,10 @@ def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) ->
         out.append(f"server.backlog changed ({old.server.backlog} -> {new.server.backlog})")
     if bool(old.server.cmd) != bool(new.server.cmd):
         out.append("switching between server.app and server.cmd")
+    from numaserve.supervisor.cmdready import host_port_placeholders
+
+    if bool(host_port_placeholders(old.server.cmd)) != bool(host_port_placeholders(new.server.cmd)):
+        out.append("server.cmd switched to or from binding its own sockets ({host}/{port})")
     a = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in old_plan.slots]
     b = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in new_plan.slots]
     if a != b:

@@ -58,6 +58,8 @@ SUPERVISOR_STATES: tuple[str, ...] = ("starting", "running", "degraded", "stoppi
 RESTART_REASONS: tuple[str, ...] = ("hung", "not_ready", "sigkill", "sigabrt", "sigsegv", "app_failed",
                                     "spawn_failed", "binding", "leak", "soft_cap", "hard_cap", "reload",
                                     "restart", "exit", "other")
+#: ``supervisor.exits`` kinds, pre-initialised like the reasons.
+EXIT_KINDS: tuple[str, ...] = ("external", "crash", "boot", "hang")
 STATUS_CLASSES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx")
 LEAK_VERDICTS: tuple[str, ...] = ("ok", "warming", "suspect", "leak", "soft_cap", "hard_cap")
 STEERING_MODES: tuple[str, ...] = ("hash", "numa")
@@ -404,6 +406,13 @@ class NumaserveCollector(Collector):
         for reason in sorted(set(RESTART_REASONS) | {str(k) for k in restarts}):
             b.count("numaserve_worker_restarts_total", "Worker restarts by reason class", SLOT_LABELS + ["reason"],
                     lv + [reason], _num(restarts.get(reason)) or 0.0)
+        kinds = _get(s, "totals", "exits_by_kind")
+        kinds = kinds if isinstance(kinds, Mapping) else {}
+        for kind in sorted(set(EXIT_KINDS) | {str(k) for k in kinds}):
+            b.count("numaserve_worker_exits_total",
+                    "Unexpected worker exits by kind (external: killed from outside while serving, not held "
+                    "against the slot; crash, boot, hang: count towards its crash loop)",
+                    SLOT_LABELS + ["kind"], lv + [kind], _num(kinds.get(kind)) or 0.0)
         b.set("numaserve_worker_loop_lag_seconds", "Event-loop lag the worker reported in its last heartbeat",
               SLOT_LABELS, lv, _num(s.get("loop_lag_s")))
 

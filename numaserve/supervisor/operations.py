@@ -151,10 +151,13 @@ class Operations:
         old = slot.worker
         now = time.monotonic()
         if old is None or slot.state != S.READY:
-            # nothing serving (backoff, failed): start fresh and wait
+            # nothing serving (backoff, failed): start fresh now and wait; a
+            # failed slot gets one attempt (it fails again at once if that
+            # fails, and is retried on the long backoff as before)
+            was_failed = slot.state == S.FAILED
             slot.restart.reset()
-            slot.failed_reason = None
             if slot.worker is None:
+                slot.retrying = was_failed
                 sup._start_worker(slot, now)
             new = slot.worker
             if new is None:

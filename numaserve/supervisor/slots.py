@@ -16,7 +16,7 @@ from numaserve.supervisor.backoff import RestartState
 STARTING = "starting"      # worker spawned, not Ready yet
 READY = "ready"            # worker serving
 BACKOFF = "backoff"        # waiting to restart after an exit
-FAILED = "failed"          # crash loop or boot failure: not restarted automatically
+FAILED = "failed"          # crash loop or boot failure: retried only after supervisor.failed_retry_interval
 STOPPING = "stopping"      # asked to stop
 STOPPED = "stopped"
 DRAINING = "draining"      # operator drain in progress: no new connections, in-flight finishing
@@ -36,6 +36,7 @@ class Totals:
     connections: dict[str, int] = field(default_factory=dict)   # local / remote / unknown
     shed: int = 0
     shed_by_reason: dict[str, int] = field(default_factory=dict)
+    exits_by_kind: dict[str, int] = field(default_factory=dict)  # supervisor.exits kinds: external, crash, boot, hang
 
     def add_stats(self, stats: Stats | None) -> None:
         if stats is None:
@@ -65,7 +66,7 @@ class Totals:
         """These totals plus the live workers' own counters (current, incoming, retiring)."""
         t = Totals(dict(self.status_classes), list(self.latency_buckets), self.latency_count,
                    self.latency_sum_ms, dict(self.restarts_by_reason), dict(self.connections), self.shed,
-                   dict(self.shed_by_reason))
+                   dict(self.shed_by_reason), dict(self.exits_by_kind))
         for st in stats:
             t.add_stats(st)
         known = t.connections.get("local", 0) + t.connections.get("remote", 0)
@@ -77,6 +78,7 @@ class Totals:
             "latency_count": t.latency_count,
             "latency_sum_ms": round(t.latency_sum_ms, 3),
             "restarts_by_reason": t.restarts_by_reason,
+            "exits_by_kind": t.exits_by_kind,
             "shed": t.shed,
             "shed_by_reason": t.shed_by_reason,
         }
@@ -116,6 +118,9 @@ class WorkerProc:
     abort_sent: float | None = None
     kill_sent: float | None = None
     kill_reason: str | None = None      # set when *we* decided it must die (hang, boot timeout)
+    stopped_outside: bool = False       # the watchdog found it frozen by SIGSTOP, not hung by itself
+    unresponsive_since: float | None = None  # missed heartbeats (or probes): out of steering until back
+    probe_note: str | None = None       # --cmd readiness: what the last probe saw
     goodbye: str | None = None
     stop_deadline: float = 0.0          # seconds it was given to finish (Stop/Drain)
     exit_code: int | None = None
@@ -141,6 +146,9 @@ class SlotState:
     last_exit: str | None = None
     next_start: float = 0.0
     failed_reason: str | None = None
+    next_retry: float | None = None     # failed: when it is tried again (monotonic)
+    retrying: bool = False              # this start is a retry of a failed slot: one failure sends it back
+    last_exit_kind: str | None = None   # supervisor.exits kind of the last unexpected exit
     ever_ready: bool = False
     requests_before: int = 0            # requests served by earlier generations
     totals_before: "Totals" = field(default_factory=lambda: Totals())
@@ -172,7 +180,9 @@ class SlotState:
             "node": self.plan.node,
             "index": self.plan.index,
             "pid": w.pid if w else None,
-            "generation": self.generation,
+            # the serving worker's generation (after a failed reload: the old one's), not the counter
+            "generation": w.generation if w else None,
+            "generations_started": self.generation,
             "state": self.state,
             "cpus": list(self.plan.cpus),
             "mempolicy": self.plan.mempolicy,
@@ -193,6 +203,11 @@ class SlotState:
             "last_restart_reason": self.last_restart_reason,
             "last_exit": self.last_exit,
             "failed_reason": self.failed_reason,
+            "last_exit_kind": self.last_exit_kind,
+            "retry_in_s": round(max(0.0, self.next_retry - now), 1) if self.next_retry is not None else None,
+            "unresponsive_s": (round(now - w.last_beat, 3) if w.last_beat else None)
+            if w and w.unresponsive_since is not None else None,
+            "probe": w.probe_note if w and w.external else None,
             "requests": self.requests_before + (stats.requests if stats else 0),
             "inflight": stats.inflight if stats else 0,
             "connections": stats.connections if stats else 0,

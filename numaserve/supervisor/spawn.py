@@ -113,9 +113,17 @@ def render_cmd(template: str, plan: SlotPlan, generation: int, listeners: list[L
     return out
 
 
-def check_cmd_template(template: str) -> None:
-    """Validate an external command template before any listener exists."""
+def check_cmd_template(template: str, *, allow_host_port: bool = False) -> None:
+    """Validate an external command template before any listener exists.
+
+    ``{host}``/``{port}`` are refused unless ``cmd.allow_host_port``: a server
+    told where to listen binds its *own* socket, which joins the port's
+    SO_REUSEPORT group beside the supervisor's listeners and takes a share of
+    the connections with no steering, no readiness probe and no queue kept
+    across its restarts.
+    """
     from numaserve.listeners import Listener as _L
+    from numaserve.supervisor.cmdready import host_port_placeholders
     import socket
 
     fake = _L(0, "127.0.0.1", 0, socket.AF_INET, socket.socket())
@@ -123,6 +131,16 @@ def check_cmd_template(template: str) -> None:
         render_cmd(template, SlotPlan(slot=0, node=0, index=0, cpus=(0,), mempolicy="bind", memory_nodes=(0,)), 1, [fake])
     finally:
         fake.sock.close()
+    used = host_port_placeholders(template)
+    if used and not allow_host_port:
+        names = " and ".join("{" + n + "}" for n in used)
+        raise UsageError(
+            f"server.cmd uses {names}: a server given an address binds its own socket, which joins the port's "
+            "SO_REUSEPORT group beside numaserve's listeners and takes a share of the connections without "
+            "steering, readiness or queue-keeping. Pass the listener instead with {fd} (uvicorn --fd {fd}, "
+            "gunicorn/hypercorn --bind fd://{fd}), or set cmd.allow_host_port = true (--allow-host-port) if "
+            "the command only uses them as information"
+        )
 
 
 def numaserve_env(cfg: Config, base: Mapping[str, str], plan: SlotPlan, generation: int,

@@ -27,6 +27,8 @@ import numaserve.loadtest as lt
 
 #: Width of a time-line bucket, seconds.
 BIN_S = 0.1
+#: A response slower than this is also put on the time line as "slow" (delayed requests).
+SLOW_S = 1.0
 
 _patch_lock = threading.Lock()
 
@@ -91,6 +93,8 @@ class _Split:
             raise RuntimeError("status counted without a latency: numaserve.loadtest changed; fix benchlib.engine")
         cls = status_class(status)
         self.by_class.setdefault(cls, lt.LatencyRecorder()).record(self.pending)
+        if self.pending > SLOW_S:
+            self.tick("slow")
         self.pending = None
         self.filed += 1
         self.tick(cls)

@@ -175,14 +175,46 @@ def plot_resilience(s: dict[str, Any], out: Path) -> Path:
             ax.scatter([t for t, _ in errs], [0] * len(errs), marker="x", color="red", label="failed")
         ax.set_ylabel(srv)
         ax.grid(alpha=0.3)
-    axes[0, 0].set_title("reload then kill -9 of the busiest worker, under closed-loop load (first repetition)",
-                         fontsize=10)
+    return _save_timelines(plt, fig, axes, "reload then kill -9 of the busiest worker, under closed-loop load "
+                           "(first repetition)", out / "resilience_timeline.png")
+
+
+def _save_timelines(plt: Any, fig: Any, axes: Any, title: str, path: Path) -> Path:
+    axes[0, 0].set_title(title, fontsize=10)
     axes[-1, 0].set_xlabel("s since start")
     fig.tight_layout()
-    path = out / "resilience_timeline.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_storm(s: dict[str, Any], out: Path) -> Path | None:
+    """Kill storm and SIGSTOP runs, per server (first repetition); None without them."""
+    tls = s.get("storm_timelines") or {}
+    if not tls:
+        return None
+    plt = _plt()
+    keys = sorted(tls, key=lambda k: (k.split(" ", 1)[0] != "storm", _servers([{"server": k.split(" ", 1)[1]}])[0]))
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 1.9 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        ev, srv = key.split(" ", 1)
+        tl = tls[key]
+        ax.step([t for t, _ in tl["rps"]], [v for _, v in tl["rps"]], where="post", color=_color(srv),
+                label="2xx/s (0.5 s windows)")
+        if ev == "storm":
+            ax.axvspan(tl["t_event"], tl["t_event_end"], color="red", alpha=0.12, lw=0)
+        else:
+            ax.axvline(tl["t_event"], ls="--", color="black", lw=1)
+        for k, marker, color in (("errors", "x", "red"), ("slow", "|", "orange")):
+            pts = tl.get(k) or []
+            if pts:
+                ax.scatter([t for t, _ in pts], [0] * len(pts), marker=marker, color=color,
+                           label="failed" if k == "errors" else "answered after > 1 s")
+        ax.set_ylabel(f"{srv}\n{'10 × kill -9' if ev == 'storm' else 'SIGSTOP'}", fontsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="lower right")
+    return _save_timelines(plt, fig, axes, "kill storm (shaded) and a frozen worker (dashed) under closed-loop "
+                           "load, first repetition", out / "resilience_storm.png")
 
 
 def plot_balance(s: dict[str, Any], out: Path) -> Path:
@@ -262,6 +294,9 @@ def plot_all(results: dict[str, Any], out: Path) -> list[str]:
         made += plot_overload(ok["overload"], out)
     if "resilience" in ok:
         made.append(plot_resilience(ok["resilience"], out))
+        storm = plot_storm(ok["resilience"], out)
+        if storm is not None:
+            made.append(storm)
     if "balance" in ok:
         made.append(plot_balance(ok["balance"], out))
     p = plot_overhead_startup(ok.get("overhead"), ok.get("startup"), out)

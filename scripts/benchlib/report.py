@@ -81,7 +81,29 @@ def md_resilience(s: dict[str, Any]) -> list[str]:
          "worst 0.5 s ÷ baseline", "time to full capacity s", "server done s"],
         [[r["event"], r["server"], fmt(r["baseline_rps"], 0), fmt(r["failed"], 0), fmt(r["connection_errors"], 0),
           fmt(r["error_responses"], 0), fmt(r["worst_window_x_baseline"], 2), _recovery(r),
-          fmt(r["done_s"], 2)] for r in rows])
+          fmt(r["done_s"], 2)] for r in rows]) + md_storm(s)
+
+
+def md_storm(s: dict[str, Any]) -> list[str]:
+    """Kill storm and frozen worker (full mode): one table, both events."""
+    rows = sorted(s.get("storm_rows") or [], key=lambda r: (r["event"] != "storm", _srv_key(r["server"])))
+    if not rows:
+        return []
+
+    def yes(r: dict[str, Any], key: str) -> str:
+        vals = [x.get(key) for x in r["reps"] if x.get(key) is not None]
+        return "–" if not vals else f"{sum(1 for v in vals if v)}/{len(vals)}"
+
+    lines = ["", f"Kill storm ({s['params'].get('storm', '')}) and frozen worker ({s['params'].get('freeze', '')}); "
+             f"delayed = {s['params'].get('delayed', '')}:", ""]
+    lines += _table(
+        ["event", "server", "kills", "failed requests", "delayed requests", "requests in window", "still up",
+         "every worker serving again", "recovered after s", "frozen worker replaced after s"],
+        [[{"storm": "kill storm", "freeze": "SIGSTOP"}.get(r["event"], r["event"]), r["server"],
+          fmt(r["kills"], 0), fmt(r["failed"], 0), fmt(r["delayed"], 0), fmt(r["requests"], 0), yes(r, "alive"),
+          yes(r, "all_serving") if r["event"] == "storm" else "–", fmt(r["recovered_s"], 2),
+          fmt(r["replaced_s"], 2) if r["event"] == "freeze" else "–"] for r in rows])
+    return lines
 
 
 def _recovery(r: dict[str, Any]) -> str:

@@ -15,6 +15,16 @@ run ends still below).  Also the server's
 own "done" signal: the reload command returning (numaserve) or every old
 worker gone and as many new ones started (peers); after a kill, the
 replacement ready.
+
+Two more runs per server (full mode), each on a fresh server: a *kill storm* (10 SIGKILLs of ready workers within 5 s, as the OOM
+killer or an operator would) and a *frozen worker* (SIGSTOP of the busiest
+worker, watched for 16 s: longer than numaserve's default hang timeout and
+abort grace, 13 s).
+Per event: failed requests, requests delayed (answered after more than
+1 s), whether the service is still up with every worker serving again, and
+when the frozen worker was replaced.  ``BENCH_NUMASERVE_BASELINE=<checkout>``
+adds a "numaserve-base" server run from another checkout (e.g. the main
+branch before a change), to put before and after side by side.
 """
 
 from __future__ import annotations
@@ -34,6 +44,12 @@ from benchlib.servers import Server, ServerConfig
 
 KEYS = ("baseline_rps", "failed", "connection_errors", "error_responses", "worst_window_x_baseline",
         "time_to_full_capacity_s", "done_s")
+STORM_KEYS = ("baseline_rps", "kills", "storm_s", "failed", "delayed", "requests", "alive", "all_serving",
+              "recovered_s", "replaced_s")
+STORM_KILLS = 10
+STORM_S = 5.0
+FREEZE_WATCH_S = 16.0
+RECOVER_LIMIT_S = 15.0
 WINDOW_S = 0.5
 
 
@@ -87,18 +103,25 @@ def analyse(run: engine.Run, t_event: float, t_done: float | None, t_limit: floa
     }
 
 
+def _start_load(srv: Server, duration: float) -> engine.Background:
+    """Warm up, then start the closed loop every event runs under.
+
+    POST: not idempotent, so the load generator never silently resends a
+    request that died with its connection (it would for a GET).  A new
+    connection per request: kept-alive connections stay where they were
+    accepted, so a replacement worker would get no traffic until clients
+    reconnect, and "capacity" would measure the clients, not the server.
+    """
+    engine.run(lt.LoadConfig(srv.url + "/cpu5", concurrency=4, duration=0.5))
+    return engine.Background(lt.LoadConfig(srv.url + "/cpu5", concurrency=8, duration=duration, timeout=5.0,
+                                           method="POST", body=b"{}", keepalive=False)).start()
+
+
 def one(ctx: Ctx, kind: str, duration: float, baseline_s: float = 3.0) -> dict[str, Any]:
     """Reload then kill under one load run; returns per-event analyses."""
     with Server(ServerConfig(kind, workers=2)).start() as srv:
         srv.wait_ready()
-        engine.run(lt.LoadConfig(srv.url + "/cpu5", concurrency=4, duration=0.5))
-        # POST: not idempotent, so the load generator never silently resends a
-        # request that died with its connection (it would for a GET).  A new
-        # connection per request: kept-alive connections stay where they were
-        # accepted, so a replacement worker would get no traffic until clients
-        # reconnect, and "capacity" would measure the clients, not the server.
-        bg = engine.Background(lt.LoadConfig(srv.url + "/cpu5", concurrency=8, duration=duration, timeout=5.0,
-                                             method="POST", body=b"{}", keepalive=False)).start()
+        bg = _start_load(srv, duration)
         time.sleep(baseline_s)
         t_reload = time.perf_counter()
         rel = srv.reload(timeout=duration)
@@ -138,6 +161,113 @@ def one(ctx: Ctx, kind: str, duration: float, baseline_s: float = 3.0) -> dict[s
     }
 
 
+def _ready_victims(srv: Server) -> list[int]:
+    """Workers that are serving: numaserve says so; peers' workers up for 1 s (they say nothing)."""
+    if srv.cfg.kind == "numaserve":
+        try:
+            st = srv.ops("status", timeout=2.0)
+        except Exception:
+            return []
+        return [int(s["pid"]) for s in st.get("slots", []) if s.get("pid") and s.get("state") == "ready"]
+    out = []
+    for pid in srv.worker_pids():
+        try:
+            if time.time() - psutil.Process(pid).create_time() >= 1.0:
+                out.append(pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _all_serving(srv: Server) -> bool:
+    if srv.proc is None or srv.proc.poll() is not None:
+        return False
+    return srv.all_ready() if srv.cfg.kind == "numaserve" else len(_ready_victims(srv)) >= srv.cfg.workers
+
+
+def storm_or_freeze(ctx: Ctx, cfg: ServerConfig, event: str, baseline_s: float) -> dict[str, Any]:
+    """One load run with one event: ``"storm"`` (kill storm) or ``"freeze"`` (SIGSTOP)."""
+    duration = baseline_s + (STORM_S + RECOVER_LIMIT_S if event == "storm" else FREEZE_WATCH_S) + 1.0
+    victim = None
+    kills = 0
+    recovered = replaced = None
+    with Server(cfg).start() as srv:
+        srv.wait_ready()
+        bg = _start_load(srv, duration)
+        time.sleep(baseline_s)
+        t_event = time.perf_counter()
+        if event == "storm":
+            turn = 0
+            killed: set[int] = set()
+            while kills < STORM_KILLS and time.perf_counter() - t_event < 2 * STORM_S:
+                time.sleep(max(0.0, t_event + kills * STORM_S / STORM_KILLS - time.perf_counter()))
+                pids = _ready_victims(srv)
+                if not pids:
+                    time.sleep(0.05)
+                    continue
+                try:
+                    os.kill(pids[turn % len(pids)], signal.SIGKILL)
+                    killed.add(pids[turn % len(pids)])
+                    kills += 1
+                    turn += 1
+                except ProcessLookupError:
+                    pass
+            t_end = time.perf_counter()
+            while time.perf_counter() - t_end < RECOVER_LIMIT_S:
+                if not killed & set(srv.worker_pids()) and _all_serving(srv):
+                    recovered = time.perf_counter() - t_end
+                    break
+                if srv.proc is not None and srv.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        else:
+            pids = srv.worker_pids()
+            victim = busiest(pids, 0.5)
+            t_event = time.perf_counter()
+            os.kill(victim, signal.SIGSTOP)
+            while time.perf_counter() - t_event < FREEZE_WATCH_S:
+                if replaced is None and victim not in srv.worker_pids() and _all_serving(srv):
+                    replaced = time.perf_counter() - t_event
+                time.sleep(0.1)
+            t_end = time.perf_counter()
+        alive = srv.proc is not None and srv.proc.poll() is None
+        run = bg.join()
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)   # never leave a frozen process behind
+            except ProcessLookupError:
+                pass
+    t0 = run.started
+    base_wins = [v for t, v in _windows(run) if 0.5 <= t and t + WINDOW_S <= t_event - t0]
+    baseline = statistics.median(base_wins) if base_wins else 0.0
+    a = t_event - t0
+    if event == "storm":
+        b = (t_end - t0) + (recovered if recovered is not None else RECOVER_LIMIT_S) + 1.0
+    else:
+        b = t_end - t0
+    failed = sum(_count(run, c, a, b) for c in ("error", "503", "504", "429", "other"))
+    return {
+        "row": {"baseline_rps": round(baseline, 1), "kills": kills if event == "storm" else None,
+                "storm_s": round(t_end - t_event, 2) if event == "storm" else None,
+                "failed": failed, "delayed": _count(run, "slow", a, b), "requests": failed + _count(run, "2xx", a, b),
+                "alive": alive, "all_serving": (recovered is not None) if event == "storm" else None,
+                "recovered_s": None if recovered is None else round(recovered, 2),
+                "replaced_s": None if replaced is None else round(replaced, 2)},
+        "timeline": {"t_event": round(a, 2), "t_event_end": round(t_end - t0, 2),
+                     "rps": [(t, round(v, 1)) for t, v in _windows(run)],
+                     "errors": [(t, c) for t, c in run.series("error") if c],
+                     "slow": [(t, c) for t, c in run.series("slow") if c]},
+    }
+
+
+def _storm_configs(ctx: Ctx, rep: int) -> list[ServerConfig]:
+    cfgs = [ServerConfig(kind, workers=2) for kind in ctx.order(rep)]
+    base = os.environ.get("BENCH_NUMASERVE_BASELINE")
+    if base and "numaserve" in ctx.servers:
+        cfgs.append(ServerConfig("numaserve", workers=2, label="numaserve-base", checkout=base))
+    return cfgs
+
+
 def run(ctx: Ctx) -> dict[str, Any]:
     duration = ctx.pick(9.0, 17.0)
     baseline_s = ctx.pick(2.0, 3.0)
@@ -154,10 +284,32 @@ def run(ctx: Ctx) -> dict[str, Any]:
                     f"full-cap {res['kill']['time_to_full_capacity_s']} s")
     rows = [{"event": ev, "server": kind, "reps": reps, **summarize_rows(reps, KEYS)}
             for (ev, kind), reps in sorted(raw.items())]
+    storm_raw: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    storm_timelines: dict[str, Any] = {}
+    if not ctx.quick:   # ~40 s per server and repetition: full mode only (quick stays in its budget)
+        for rep in range(ctx.reps):
+            for cfg in _storm_configs(ctx, rep):
+                for ev in ("storm", "freeze"):
+                    res = storm_or_freeze(ctx, cfg, ev, baseline_s)
+                    storm_raw.setdefault((ev, cfg.name), []).append(res["row"])
+                    storm_timelines.setdefault(f"{ev} {cfg.name}", res["timeline"])
+                    r = res["row"]
+                    ctx.log(f"resilience rep {rep + 1} {cfg.name:14} {ev:6} kills {r['kills']} failed {r['failed']} "
+                            f"delayed {r['delayed']} of {r['requests']}, up {r['alive']}, all serving "
+                            f"{r['all_serving']}, replaced {r['replaced_s']} s")
+    storm_rows = [{"event": ev, "server": name, "reps": reps, **summarize_rows(reps, STORM_KEYS)}
+                  for (ev, name), reps in sorted(storm_raw.items())]
     return {
         "title": "Reload and kill -9 under load",
         "params": {"duration_s": duration, "load": "closed loop, 8 clients, POST /cpu5, new connection per request (no client retry)", "workers": 2,
-                   "reps": ctx.reps, "window_s": WINDOW_S, "full_capacity": ">= 80 % of the baseline"},
+                   "reps": ctx.reps, "window_s": WINDOW_S, "full_capacity": ">= 80 % of the baseline",
+                   "storm": f"{STORM_KILLS} SIGKILLs of ready workers within {STORM_S:g} s; failed/delayed from the "
+                            f"first kill to 1 s after every worker serves again (or {RECOVER_LIMIT_S:g} s)",
+                   "freeze": f"SIGSTOP of the busiest worker; failed/delayed over the next {FREEZE_WATCH_S:g} s",
+                   "delayed": f"answered after more than {engine.SLOW_S:g} s (client timeout 5 s: later = failed)",
+                   "storm_runs": "full mode only"},
         "rows": rows,
         "timelines": timelines,
+        "storm_rows": storm_rows,
+        "storm_timelines": storm_timelines,
     }

@@ -59,6 +59,7 @@ class ServerConfig:
     numaserve_args: tuple[str, ...] = ()  # extra `numaserve start` flags
     numaserve_toml: str = ""              # appended to the base config
     app: str = APP                        # module:attribute in scripts/bench_apps
+    checkout: str = ""                    # numaserve: run this source tree instead of ours (before/after)
 
     @property
     def name(self) -> str:
@@ -121,8 +122,12 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(APP_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["PYTHONWARNINGS"] = "ignore::DeprecationWarning"   # uvicorn.workers is deprecated but works
         env.update(self.cfg.env)
+        cwd = REPO
+        if self.cfg.checkout:  # `python -m` puts the working directory first on sys.path: run from there
+            cwd = Path(self.cfg.checkout)
+            env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(APP_DIR)])
         self.t_spawn = time.perf_counter()
-        self.proc = procs.spawn(self.argv(), env=env, cwd=REPO, log=self.log, cpus=self.cfg.cpus)
+        self.proc = procs.spawn(self.argv(), env=env, cwd=cwd, log=self.log, cpus=self.cfg.cpus)
         _LIVE.add(self)
         return self
 

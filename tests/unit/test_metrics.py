@@ -767,3 +767,37 @@ def test_dashboard_is_valid_and_queries_only_exported_metrics() -> None:
                    "numaserve_binding_verified", "numaserve_accept_queue_depth",
                    "numaserve_steering_locality_ratio", "numaserve_slot_state"):
         assert needed in referenced, f"no panel shows {needed}"
+
+
+def test_admin_readyz_degraded_when_the_missing_slots_failed() -> None:
+    async def run() -> None:
+        sup = FakeSup()
+        slots = sup.snap["slots"]
+        assert len(slots) >= 2
+        sup.snap["supervisor"]["state"] = "degraded"
+        slots[1]["state"] = "failed"
+        slots[1]["failed_reason"] = "app load failed: boom"
+        async with _client(sup, LoopHeartbeat()) as c:
+            r = await c.get("/readyz")
+            assert r.status_code == 200 and r.json()["status"] == "degraded", r.text
+            assert r.json()["missing"][0]["slot"] == slots[1]["slot"]
+            assert "boom" in r.json()["missing"][0]["reason"]
+            slots[0]["state"] = "backoff"          # restarting, not failed: not ready
+            assert (await c.get("/readyz")).status_code == 503
+            slots[0]["state"] = "ready"
+            sup.snap["supervisor"]["state"] = "starting"   # boot not settled
+            assert (await c.get("/readyz")).status_code == 503
+
+    asyncio.run(run())
+
+
+def test_worker_exits_by_kind_are_exported() -> None:
+    snap = full_snapshot()
+    snap["slots"][0]["totals"]["exits_by_kind"] = {"external": 3, "crash": 1}
+    from numaserve.supervisor.metrics import NumaserveCollector, make_registry
+    from prometheus_client import generate_latest
+
+    text = generate_latest(make_registry(NumaserveCollector(lambda: snap))).decode()
+    assert value(text, "numaserve_worker_exits_total", slot="0", kind="external") == 3
+    assert value(text, "numaserve_worker_exits_total", slot="0", kind="crash") == 1
+    assert value(text, "numaserve_worker_exits_total", slot="0", kind="hang") == 0
