@@ -92,8 +92,12 @@ class RuntimeDir:
         the next start; a *live* supervisor's lock does.
         """
         ensure_private_dir(self.path)
-        with tight_umask():
-            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            with tight_umask():
+                fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise NumaserveError(f"runtime directory {self.path}: cannot create {LOCK_FILE}: {e.strerror} "
+                                 "(it must be writable: set supervisor.runtime_dir or --runtime-dir)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -136,8 +140,10 @@ class RuntimeDir:
         os.chmod(p, 0o660)
 
     def release(self) -> None:
+        if self.lock_fd is None:
+            return  # never acquired (e.g. another supervisor holds it): its files are not ours
         for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone, or the directory turned read-only
                 (self.path / name).unlink()
         if self.lock_fd is not None:
             os.close(self.lock_fd)

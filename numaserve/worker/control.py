@@ -39,9 +39,13 @@ __all__ = [
 ]
 
 
-def worker_identity(slot: int, generation: int, pid: int) -> bytes:
-    """ROUTER identity of a worker: ``b"slot:generation:pid"``."""
-    return f"{slot}:{generation}:{pid}".encode()
+def worker_identity(slot: int, generation: int, pid: int, nonce: str = "") -> bytes:
+    """ROUTER identity of a worker: ``b"slot:generation:pid"`` (``:nonce`` appended when given).
+
+    The nonce makes the identity unguessable, so no other peer can take it
+    first (a ROUTER refuses a second connection with an identity in use).
+    """
+    return f"{slot}:{generation}:{pid}".encode() + (f":{nonce}".encode() if nonce else b"")
 
 
 class ControlChannel:

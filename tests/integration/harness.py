@@ -46,7 +46,7 @@ class Running:
     """One supervisor started by a test; always cleaned up (no stray workers)."""
 
     def __init__(self, args: list[str], *, config: str = FAST_CONFIG, env: dict[str, str] | None = None,
-                 expect_ready: bool = True, timeout: float = 60.0) -> None:
+                 expect_ready: bool = True, timeout: float = 60.0, nofile: int | None = None) -> None:
         self.rt = Path(tempfile.mkdtemp(prefix="ns-rt-"))
         self.logdir = Path(tempfile.mkdtemp(prefix="ns-log-"))
         self.config = self.logdir / "numaserve.toml"
@@ -59,8 +59,14 @@ class Running:
         e["PYTHONPATH"] = os.pathsep.join([str(APPS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         e.update(env or {})
         self.argv = numaserve_argv("start", "--config", str(self.config), "--runtime-dir", str(self.rt), *args)
+        limit = None
+        if nofile is not None:  # `ulimit -n N` for the supervisor (soft and hard, as the shell does)
+            import resource
+
+            def limit() -> None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         self.proc = subprocess.Popen(self.argv, stdout=self.stdout, stderr=self.stderr, env=e,
-                                     stdin=subprocess.DEVNULL, cwd=str(REPO))
+                                     stdin=subprocess.DEVNULL, cwd=str(REPO), preexec_fn=limit)
         self.port: int | None = None
         if expect_ready:
             self.wait_ready(timeout)
