@@ -332,16 +332,10 @@ class Supervisor:
         return sock
 
     def reload_curve_keys(self) -> None:
-        """Re-read ``ops.curve_authorized_keys`` (reload, SIGHUP): a removed key is refused from now on,
-        and connections made with it are closed (ZAP only judges new connections)."""
-        if self.curve_keys is None:
-            return
-        change = self.curve_keys.load()
-        if change.removed:
-            for door in self.doors:
-                if door.name == "ops-tcp":
-                    closed = door.close_all()
-                    log.info("ops_tcp_connections_closed", reason="authorized keys removed", connections=closed)
+        """Re-read ``ops.curve_authorized_keys`` (reload, SIGHUP).  A removed key is refused for new
+        connections (ZAP) and for every further request on connections it already made."""
+        if self.curve_keys is not None:
+            self.curve_keys.load()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -158,6 +158,11 @@ async def on_ops_frames(sup: "Supervisor", frames: Sequence[Any], channel: str, 
             return envelope + [_encode_reply(m.OpsReply(ok=False, error="malformed request"))]
         curve_key = frame_property(last, "User-Id") if channel == "tcp-curve" else None
         peer = None if channel == "tcp-curve" else peer_cred(last)
+        if channel == "tcp-curve" and not (curve_key and sup.curve_keys is not None
+                                           and sup.curve_keys.callback("*", curve_key.encode())):
+            # ZAP judged the connection when it was made; the key may have been removed since
+            sup.count_bad("ops", "CURVE key not (or no longer) authorized")
+            return envelope + [_encode_reply(m.OpsReply(ok=False, error="this CURVE key is not authorized"))]
         allowed, retry = sup.ops_limiter.allow(_rate_key(channel, identity, peer, curve_key))
         if not allowed:
             return envelope + [_encode_reply(m.OpsReply(

@@ -6,8 +6,8 @@ called; here the key set is ours: loaded at start, re-loaded on every
 ``reload``/SIGHUP, and empty (every client refused) when the directory is
 gone -- a revocation must never fail open.  The ZAP handler asks
 ``callback`` for each new connection (``configure_curve_callback``); a
-connection already authenticated is not asked again, which is why the
-supervisor also closes the TCP front door's connections when keys go away.
+connection already authenticated is not asked again, which is why the ops
+loop also checks each request's key (``User-Id``) against the current set.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from typing import Any, Callable
 __all__ = ["FdWatch", "RECENT_S"]
 
 RECENT_S = 10.0
+FULL_EVERY_S = 30.0
 HEADROOM = 4          # fewer free fds than this is as good as none for a server
 _LOG_EVERY = 60.0
 _ACCEPT_MESSAGE = "socket.accept() out of system resource"
@@ -61,6 +62,7 @@ class FdWatch:
         self.fd_limit = soft_limit()
         self.baseline = count_fds() or 0
         self._last_hit: float | None = None
+        self._last_full = -1e9
         self._last_log = -1e9
         self._logged_count = 0
 
@@ -75,14 +77,25 @@ class FdWatch:
 
     # -- sampling -------------------------------------------------------------
     def sample(self, connections: int) -> None:
-        """Once per stats interval; ``connections`` is the server's open connection count."""
+        """Once per stats interval; ``connections`` is the server's open connection count.
+
+        A full count of ``/proc/self/fd`` when the estimate (fds besides
+        connections, from the last full count, plus connections) is past
+        half the limit, after a hit, or every ``FULL_EVERY_S``; otherwise the
+        estimate, so a worker with 50 000 connections does not list them all
+        every second.
+        """
+        now = self.clock()
         self.fd_limit = self.soft_limit()
         estimate = self.baseline + connections
-        if estimate < self.fd_limit * 0.9 - HEADROOM and self._last_hit is None:
+        if estimate < self.fd_limit * 0.5 and self._last_hit is None and now - self._last_full < FULL_EVERY_S:
             self.fds_open = estimate
             return
+        self._last_full = now
         n = self.count_fds()
         self.fds_open = self.fd_limit if n is None else n
+        if n is not None:
+            self.baseline = max(0, n - connections)
         if self.fds_open >= self.fd_limit - HEADROOM:
             self.limit_hits += 1
             self._hit(errno.EMFILE, "open files at the limit: new connections are reset")
