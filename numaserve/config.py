@@ -348,6 +348,11 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
                     f"{src}: unknown key {section}.{key} = {_toml_value(body[key])}: "
                     f"expected one of {', '.join(sorted(fields))}"
                 )
+        for key, value in body.items():   # before conversion: some sections validate themselves
+            found = _non_finite(value)
+            if found is not None:
+                src = origin.get((section, key), "config")
+                raise ConfigError(f"{src}: {section}.{key}{found[0]} = {_toml_value(found[1])}: expected a finite number")
     try:
         cfg = msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as e:

@@ -236,6 +236,7 @@ class FrontDoor:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._last_warn = 0.0
+        self._closed = False
         self.address = self._address()
 
     def _address(self) -> str:
@@ -276,10 +277,10 @@ class FrontDoor:
             self._server.close()
             self._server = None
         self.close_all()
-        if self.sock.fileno() >= 0:
-            unix = self.sock.family == socket.AF_UNIX
-            self.sock.close()
-            if unix:
+        if not self._closed:
+            self._closed = True
+            self.sock.close()   # asyncio's server.close() may have closed it already
+            if self.sock.family == socket.AF_UNIX:
                 with contextlib.suppress(OSError):
                     os.unlink(self.address)
 
