@@ -311,20 +311,13 @@ def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
         host, port = parse_bind(cfg.bind)
     except ValueError as e:
         raise NumaserveError(f"admin.bind = {cfg.bind!r}: {e}") from None
+    from numaserve.supervisor.frontdoor import listen_tcp
+
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = listen_tcp(host, port, 64)
     except socket.gaierror as e:
         raise NumaserveError(f"admin.bind = {cfg.bind!r}: cannot resolve {host}: {e.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, port))
-        sock.listen(64)
-        sock.setblocking(False)
     except OSError as e:
-        sock.close()
         raise NumaserveError(
             f"admin.bind = {cfg.bind!r}: cannot listen: {e.strerror} "
             '(another process holds the port? set [admin] bind = "" to disable the admin endpoint)'

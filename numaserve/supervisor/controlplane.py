@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import msgspec
 import structlog
@@ -186,25 +186,32 @@ async def on_ops_frames(sup: "Supervisor", frames: Sequence[Any], channel: str, 
         return None
 
 
-async def serve_ops(sup: "Supervisor", sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False) -> None:
-    """Serve one ops socket, one request at a time, yielding between requests."""
+async def _messages(sock: zmq.asyncio.Socket, what: str) -> AsyncIterator[list[Any]]:
+    """Messages from ``sock`` (Frames, for their properties), one per iteration; errors logged, never raised.
+
+    The caller yields to the event loop after each: a done future does not,
+    so without it queued messages would run back to back and the supervision
+    loop, /healthz and reaping would wait for the queue to empty.
+    """
     while True:
         try:
-            frames = await sock.recv_multipart(copy=False)
+            yield await sock.recv_multipart(copy=False)
         except asyncio.CancelledError:
             raise
         except zmq.ZMQError as e:
-            log.warning("ops_recv_error", channel=channel, error=str(e))
+            log.warning(f"{what}_recv_error", error=str(e))
             await asyncio.sleep(0.05)
-            continue
+
+
+async def serve_ops(sup: "Supervisor", sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False) -> None:
+    """Serve one ops socket, one request at a time, yielding between requests."""
+    async for frames in _messages(sock, "ops"):
         out = await on_ops_frames(sup, frames, channel, readonly=readonly)
         if out:
             try:
                 await sock.send_multipart(out, flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        # A done future does not yield: without this, queued requests would run
-        # back to back and the supervision loop, /healthz and reaping would wait.
         await asyncio.sleep(0)
 
 
@@ -230,14 +237,6 @@ def on_control_frames(sup: "Supervisor", frames: Sequence[Any]) -> None:
 
 
 async def serve_control(sup: "Supervisor", sock: zmq.asyncio.Socket) -> None:
-    while True:
-        try:
-            frames = await sock.recv_multipart(copy=False)
-        except asyncio.CancelledError:
-            raise
-        except zmq.ZMQError as e:
-            log.warning("control_recv_error", error=str(e))
-            await asyncio.sleep(0.05)
-            continue
+    async for frames in _messages(sock, "control"):
         on_control_frames(sup, frames)
         await asyncio.sleep(0)

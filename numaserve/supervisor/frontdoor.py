@@ -33,7 +33,7 @@ import structlog
 
 from numaserve.errors import NumaserveError
 
-__all__ = ["FrontDoor", "bind_tcp", "bind_unix", "parse_tcp_endpoint"]
+__all__ = ["FrontDoor", "bind_tcp", "bind_unix", "listen_tcp", "parse_tcp_endpoint"]
 
 log = structlog.get_logger("numaserve.ops")
 
@@ -56,13 +56,9 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
     return parse_bind(rest)
 
 
-def bind_tcp(endpoint: str, backlog: int = 64) -> socket.socket:
-    """Bind and listen on ``endpoint`` before any worker exists (NumaserveError names the key)."""
-    try:
-        host, port = parse_tcp_endpoint(endpoint)
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except (ValueError, socket.gaierror) as e:
-        raise NumaserveError(f"ops.tcp_endpoint {endpoint}: {e}") from None
+def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
+    """A non-blocking TCP listener (IPv6: v6 only); raises OSError / socket.gaierror."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,10 +67,21 @@ def bind_tcp(endpoint: str, backlog: int = 64) -> socket.socket:
         sock.bind((host, port))
         sock.listen(backlog)
         sock.setblocking(False)
-    except OSError as e:
+    except OSError:
         sock.close()
-        raise NumaserveError(f"ops.tcp_endpoint {endpoint}: cannot bind: {e.strerror}") from None
+        raise
     return sock
+
+
+def bind_tcp(endpoint: str, backlog: int = 64) -> socket.socket:
+    """Bind and listen on ``endpoint`` before any worker exists (NumaserveError names the key)."""
+    try:
+        host, port = parse_tcp_endpoint(endpoint)
+        return listen_tcp(host, port, backlog)
+    except (ValueError, socket.gaierror) as e:
+        raise NumaserveError(f"ops.tcp_endpoint {endpoint}: {e}") from None
+    except OSError as e:
+        raise NumaserveError(f"ops.tcp_endpoint {endpoint}: cannot bind: {e.strerror}") from None
 
 
 def bind_unix(path: str, backlog: int = 64) -> socket.socket:

@@ -208,7 +208,6 @@ def test_an_ops_flood_does_not_stall_the_supervision_loop() -> None:
         ctx = zmq.Context()
         dealers = []
         try:
-            req = json.dumps  # noqa: F841  (msgpack below)
             import msgspec
 
             payload = msgspec.msgpack.encode({"verb": "status", "args": {}, "id": "flood"})

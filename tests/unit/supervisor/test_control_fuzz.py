@@ -28,7 +28,6 @@ from numaserve.runtime import RuntimeDir
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.arbiter import Supervisor
-from numaserve.supervisor.backoff import RestartState
 from numaserve.supervisor.ops import MUTATING, READ_ONLY
 from numaserve.supervisor.ratelimit import PeerRateLimiter
 

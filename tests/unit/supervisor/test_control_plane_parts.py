@@ -6,7 +6,6 @@ import asyncio
 import math
 import os
 import socket
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
