@@ -16,6 +16,7 @@ Signal handlers only set flags (run in the event loop via add_signal_handler).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -289,8 +290,9 @@ class Supervisor:
         idle = self.cfg.ops.idle_timeout
         self.doors.append(FrontDoor("ops-ro", ro_sock, str(self.runtime.path / OPS_RO_BACKEND),
                                     max_connections=plan.caps["ops-ro"], idle_timeout=idle))
+        # a subscriber to rare events is quiet for long: no idle timeout (the cap still evicts quiet ones)
         self.doors.append(FrontDoor("events", events_sock, str(self.runtime.path / EVENTS_BACKEND),
-                                    max_connections=plan.caps["events"], idle_timeout=idle,
+                                    max_connections=plan.caps["events"], idle_timeout=None,
                                     max_client_bytes=cp.EVENTS_CLIENT_BYTES))
         if tcp_sock is not None:
             self.doors.append(FrontDoor("ops-tcp", tcp_sock, str(self.runtime.path / OPS_TCP_BACKEND),
@@ -437,6 +439,10 @@ class Supervisor:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
+        if self.runtime.lock_fd is not None:  # ours: the libzmq sides of the front doors
+            for name in (OPS_RO_BACKEND, OPS_TCP_BACKEND, EVENTS_BACKEND):
+                with contextlib.suppress(OSError):
+                    (self.runtime.path / name).unlink()
         self.runtime.release()
         self.notifier.close()
         from numaserve.log import remove_event_sink
@@ -1063,7 +1069,8 @@ class Supervisor:
             self.topology = topo
             self.ops_limiter.rate, self.ops_limiter.burst = new_cfg.ops.rate_limit, float(new_cfg.ops.rate_burst)
             for door in self.doors:
-                door.idle_timeout = new_cfg.ops.idle_timeout
+                if door.idle_timeout is not None:
+                    door.idle_timeout = new_cfg.ops.idle_timeout
             if self.steering is not None and self.steering.mode != new_cfg.server.steering:
                 self.steering.mode = new_cfg.server.steering
                 self.steering.healthy = None  # force a reattach

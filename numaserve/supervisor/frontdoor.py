@@ -230,7 +230,7 @@ class FrontDoor:
     """A capped, idle-timed listener spliced to a libzmq socket on ``backend_path``."""
 
     def __init__(self, name: str, sock: socket.socket, backend_path: str, *, max_connections: int,
-                 idle_timeout: float, max_client_bytes: int | None = None) -> None:
+                 idle_timeout: float | None, max_client_bytes: int | None = None) -> None:
         self.name = name
         self.sock = sock
         self.backend_path = backend_path
@@ -266,7 +266,8 @@ class FrontDoor:
             self._server = await loop.create_unix_server(factory, sock=self.sock, backlog=ACCEPT_BATCH)
         else:
             self._server = await loop.create_server(factory, sock=self.sock, backlog=ACCEPT_BATCH)
-        self._sweeper = loop.create_task(self._sweep(), name=f"frontdoor-{self.name}")
+        if self.idle_timeout is not None:
+            self._sweeper = loop.create_task(self._sweep(), name=f"frontdoor-{self.name}")
 
     async def stop(self) -> None:
         sweeper = self._sweeper
@@ -339,10 +340,11 @@ class FrontDoor:
         self.conns.pop(id(conn), None)
 
     async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, max(0.05, self.idle_timeout / 4)))
+        while self.idle_timeout is not None:
+            idle = self.idle_timeout
+            await asyncio.sleep(min(1.0, max(0.05, idle / 4)))
             now = time.monotonic()
-            for c in [c for c in self.conns.values() if now - c.last > self.idle_timeout]:
+            for c in [c for c in self.conns.values() if now - c.last > idle]:
                 self.idle_closed += 1
                 c.close()
 
