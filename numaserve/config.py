@@ -129,8 +129,8 @@ class OpsConfig(_Section):
     drain_timeout: float = 30.0
     max_connections: int = 16
     idle_timeout: float = 30.0
-    rate_limit: float = 20.0
-    rate_burst: int = 40
+    rate_limit: float = 50.0
+    rate_burst: int = 100
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
