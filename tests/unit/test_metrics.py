@@ -767,3 +767,17 @@ def test_dashboard_is_valid_and_queries_only_exported_metrics() -> None:
                    "numaserve_binding_verified", "numaserve_accept_queue_depth",
                    "numaserve_steering_locality_ratio", "numaserve_slot_state"):
         assert needed in referenced, f"no panel shows {needed}"
+
+
+def test_control_plane_metrics() -> None:
+    def snap() -> dict[str, Any]:
+        s = full_snapshot()
+        s["supervisor"]["control_plane"] = {"fds": {"open": 41, "limit": 256, "exhausted": 2},
+                                            "ops_rate_limited": 7}
+        return s
+
+    text = scrape(NumaserveCollector(snap, cpu_node=cpu_node()))
+    assert value(text, "numaserve_supervisor_open_fds") == 41
+    assert value(text, "numaserve_supervisor_fd_limit") == 256
+    assert value(text, "numaserve_supervisor_fd_exhausted_total") == 2
+    assert value(text, "numaserve_ops_rate_limited_total") == 7
