@@ -56,8 +56,10 @@ class Running:
         self.stderr = open(self.stderr_path, "wb")
         e = dict(os.environ)
         e.pop("NUMASERVE_CONFIG", None)
-        e["PYTHONPATH"] = os.pathsep.join([str(APPS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         e.update(env or {})
+        # the test apps stay importable even when ``env`` brings its own PYTHONPATH
+        path = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p]
+        e["PYTHONPATH"] = os.pathsep.join([str(APPS)] + [p for p in path if p != str(APPS)])
         self.argv = numaserve_argv("start", "--config", str(self.config), "--runtime-dir", str(self.rt), *args)
         limit = None
         if nofile is not None:  # `ulimit -n N` for the supervisor (soft and hard, as the shell does)
