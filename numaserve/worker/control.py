@@ -39,13 +39,13 @@ __all__ = [
 ]
 
 
-def worker_identity(slot: int, generation: int, pid: int, nonce: str = "") -> bytes:
-    """ROUTER identity of a worker: ``b"slot:generation:pid"`` (``:nonce`` appended when given).
+def worker_identity(slot: int, generation: int, pid: int) -> bytes:
+    """ROUTER identity of a worker: ``b"slot:generation:pid"``.
 
-    The nonce makes the identity unguessable, so no other peer can take it
-    first (a ROUTER refuses a second connection with an identity in use).
+    Only a name: the supervisor trusts a worker for its spawn token and its
+    kernel-reported pid (``numaserve.supervisor.workerauth``), not for this.
     """
-    return f"{slot}:{generation}:{pid}".encode() + (f":{nonce}".encode() if nonce else b"")
+    return f"{slot}:{generation}:{pid}".encode()
 
 
 class ControlChannel:

@@ -17,7 +17,6 @@ import gc
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import time
@@ -293,8 +292,7 @@ class Worker:
             self.log.warning("placement_problems", ok=placement.ok, problems=placement.problems,
                              cpus=placement.cpus, mempolicy=placement.mempolicy)
         self.channel = ControlChannel(spec.control,
-                                      worker_identity(spec.slot, spec.generation, self.pid,
-                                                      nonce=secrets.token_hex(4)))
+                                      worker_identity(spec.slot, spec.generation, self.pid))
         self.dispatcher = CommandDispatcher(spec.slot, spec.generation, self, self.channel.post,
                                             log_debug=self.log.debug)
         self._post(Hello(slot=spec.slot, generation=spec.generation, pid=self.pid,
