@@ -49,7 +49,9 @@ def test_forged_hello_stats_and_heartbeat_change_nothing_and_kill_nothing() -> N
         bad0 = before["supervisor"]["bad_messages"]
         ctx = zmq.Context()
         try:
-            forger = dealer(ctx, sup.rt / "control.sock", f"0:{gen}:{pid}".encode())
+            # the worker's own routing id is taken (the ROUTER drops a second connection with it),
+            # so a forger speaks from another identity, naming the worker's slot, generation and pid
+            forger = dealer(ctx, sup.rt / "control.sock", f"0:{gen}:{pid}:forged".encode())
             time.sleep(0.3)
             forged = [
                 m.Hello(slot=0, generation=gen, pid=pid),                          # no token
