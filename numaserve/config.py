@@ -11,6 +11,7 @@ with this schema.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -131,6 +132,10 @@ class OpsConfig(_Section):
     curve_authorized_keys: str = ""
     reload_parallel: int = 1
     drain_timeout: float = 30.0
+    max_connections: int = 16
+    idle_timeout: float = 30.0
+    rate_limit: float = 50.0
+    rate_burst: int = 100
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -168,7 +173,8 @@ def _field_types(section: str) -> dict[str, Any]:
 _POSITIVE = {
     ("framing", "max_frame_bytes"), ("framing", "max_pipeline"),
     ("cache", "max_entries"), ("cache", "max_bytes"), ("cache", "max_entry_bytes"),
-    ("ops", "reload_parallel"), ("ops", "drain_timeout"),
+    ("ops", "reload_parallel"), ("ops", "drain_timeout"), ("ops", "max_connections"), ("ops", "idle_timeout"),
+    ("ops", "rate_limit"), ("ops", "rate_burst"), ("admin", "max_connections"), ("admin", "idle_timeout"),
     ("server", "backlog"), ("server", "max_header_bytes"), ("server", "max_body_bytes"),
     ("supervisor", "heartbeat_interval"), ("supervisor", "heartbeat_timeout"),
     ("supervisor", "ready_timeout"), ("supervisor", "backoff_initial"),
@@ -213,10 +219,42 @@ def _bad(origin: Mapping[tuple[str, str], str], section: str, key: str, value: A
     return ConfigError(f"{src}: {section}.{key} = {_toml_value(value)}: expected {expected}")
 
 
+def _non_finite(value: Any) -> tuple[str, float] | None:
+    """The first NaN/infinity inside ``value`` (a number, list, map or nested section) as (path, value)."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ("", value)
+    if isinstance(value, msgspec.Struct):
+        items: Any = ((f.name, getattr(value, f.name)) for f in msgspec.structs.fields(value))
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for k, v in items:
+        found = _non_finite(v)
+        if found is not None:
+            sep = "" if str(k).startswith("[") else "."
+            return f"{sep}{k}{found[0]}", found[1]
+    return None
+
+
 def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     def bad(section: str, key: str, value: Any, expected: str) -> ConfigError:
         return _bad(origin, section, key, value, expected)
 
+    # every number must be finite: TOML and float() accept nan and inf, and a
+    # NaN timeout or rate never compares true, so it would silently never fire
+    for section in SECTIONS:
+        body = getattr(cfg, section)
+        for f in msgspec.structs.fields(body):
+            found = _non_finite(getattr(body, f.name))
+            if found is not None:
+                path, value = found
+                if path:
+                    src = origin.get((section, f.name), "default")
+                    raise ConfigError(f"{src}: {section}.{f.name}{path} = {_toml_value(value)}: expected a finite number")
+                raise bad(section, f.name, value, "a finite number")
     for section, key in _POSITIVE:
         v = getattr(getattr(cfg, section), key)
         if v <= 0:
@@ -271,8 +309,13 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         raise bad("env", key, value, why)
     ops = cfg.ops
     if ops.tcp_endpoint:
-        if not ops.tcp_endpoint.startswith("tcp://"):
-            raise bad("ops", "tcp_endpoint", ops.tcp_endpoint, "tcp://HOST:PORT")
+        rest = ops.tcp_endpoint[len("tcp://"):] if ops.tcp_endpoint.startswith("tcp://") else None
+        try:
+            if rest is None:
+                raise ValueError("expected tcp://HOST:PORT")
+            parse_bind("0.0.0.0" + rest[1:] if rest.startswith("*:") else rest)
+        except ValueError as e:
+            raise bad("ops", "tcp_endpoint", ops.tcp_endpoint, f"tcp://HOST:PORT (* for every address; {e})") from None
         if not ops.curve_secret_key or not ops.curve_authorized_keys:
             raise bad("ops", "tcp_endpoint", ops.tcp_endpoint,
                       "ops.curve_secret_key and ops.curve_authorized_keys set too (remote control is CURVE-only)")
@@ -325,6 +368,11 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
                     f"{src}: unknown key {section}.{key} = {_toml_value(body[key])}: "
                     f"expected one of {', '.join(sorted(fields))}"
                 )
+        for key, value in body.items():   # before conversion: some sections validate themselves
+            found = _non_finite(value)
+            if found is not None:
+                src = origin.get((section, key), "config")
+                raise ConfigError(f"{src}: {section}.{key}{found[0]} = {_toml_value(found[1])}: expected a finite number")
     try:
         cfg = msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as e:

@@ -29,6 +29,7 @@ __all__ = ["Check", "Readers", "run_checks", "kernel_version", "NOFILE_MIN", "VE
 Verdict = Literal["ok", "warn", "fail", "info"]
 VERDICTS = ("fail", "warn", "info", "ok")
 NOFILE_MIN = 65536
+NOFILE_APP_MARGIN = 64
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,52 @@ def _getrlimit_nofile() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
+UNIT_PATHS = ("/etc/systemd/system/numaserve.service", "/lib/systemd/system/numaserve.service",
+              "/usr/lib/systemd/system/numaserve.service")
+
+
+def parse_limit_nofile(text: str) -> int | None:
+    """The soft value of a unit's ``LimitNOFILE=`` (``N``, ``SOFT:HARD`` or ``infinity``); last one wins."""
+    value: int | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("LimitNOFILE="):
+            continue
+        soft = line.split("=", 1)[1].strip().split(":")[0].strip()
+        if soft == "infinity":
+            value = resource.RLIM_INFINITY
+        elif soft.isdigit():
+            value = int(soft)
+    return value
+
+
+def _unit_limit_nofile() -> tuple[str, int] | None:
+    """``LimitNOFILE=`` of the installed unit (drop-ins override), or None when no unit sets it."""
+    import glob
+    import os
+
+    found: tuple[str, int] | None = None
+    for unit in UNIT_PATHS:
+        if not os.path.isfile(unit):
+            continue
+        for path in [unit, *sorted(glob.glob(unit + ".d/*.conf"))]:
+            try:
+                with open(path) as f:
+                    v = parse_limit_nofile(f.read())
+            except OSError:
+                continue
+            if v is not None:
+                found = (path, v)
+        break
+    return found
+
+
 @dataclass(frozen=True)
 class Readers:
     """Things not in the Topology, injectable for tests."""
 
     rlimit_nofile: Callable[[], tuple[int, int]] = field(default=_getrlimit_nofile)
+    unit_limit_nofile: Callable[[], tuple[str, int] | None] = field(default=_unit_limit_nofile)
 
 
 def kernel_version(release: str | None) -> tuple[int, int, int] | None:
@@ -214,7 +256,17 @@ def check_kernel(topo: Topology) -> Check:
                  "" if verdict == "info" else "upgrade the kernel (>= 5.14 recommended)")
 
 
-def check_nofile(readers: Readers) -> Check:
+def nofile_needed(config: Config) -> tuple[int, str]:
+    """Descriptors one worker may need: its accept queue, its connections, and a margin for the app."""
+    backlog = config.server.backlog
+    conns = config.server.max_connections or backlog
+    need = backlog + conns + NOFILE_APP_MARGIN
+    how = (f"server.backlog {backlog} + {'server.max_connections' if config.server.max_connections else 'as many'}"
+           f" connections {conns} + {NOFILE_APP_MARGIN} for the app")
+    return need, how
+
+
+def check_nofile(readers: Readers, config: Config | None = None) -> Check:
     try:
         soft, hard = readers.rlimit_nofile()
     except (OSError, ValueError) as e:
@@ -224,14 +276,28 @@ def check_nofile(readers: Readers) -> Check:
     def fmt(v: int) -> str:
         return "unlimited" if v == inf else str(v)
 
-    if soft != inf and soft < NOFILE_MIN:
-        fix = f"LimitNOFILE={NOFILE_MIN} in the systemd unit ([Service]), or `ulimit -n {NOFILE_MIN}` before start"
-        if hard != inf and hard < NOFILE_MIN:
+    need, how = nofile_needed(config) if config is not None else (NOFILE_MIN, "")
+    want = max(NOFILE_MIN, need)
+    why = ("Each connection is a file descriptor in a worker; at the limit accept() fails with EMFILE and the "
+           "event loop resets new connections without a word (numaserve logs accept_failed and shows the slot "
+           "\"degraded (fd limit)\"). The supervisor raises its own soft limit to the hard one at start; "
+           "workers keep the soft limit." + (f" Needed per worker: {need} ({how})." if how else ""))
+    unit = None
+    try:
+        unit = readers.unit_limit_nofile()
+    except (OSError, ValueError):
+        unit = None
+    if unit is not None and unit[1] != inf and unit[1] < need:
+        return Check("nofile", "warn", f"LimitNOFILE={unit[1]} in {unit[0]} < {need} needed per worker",
+                     why, f"LimitNOFILE={want} in {unit[0]} (or `systemctl edit numaserve`)")
+    if soft != inf and soft < want:
+        fix = f"LimitNOFILE={want} in the systemd unit ([Service]), or `ulimit -n {want}` before start"
+        if hard != inf and hard < want:
             fix += f" (the hard limit {hard} must be raised too: needs root / the unit)"
-        return Check("nofile", "warn", f"open-file limit (RLIMIT_NOFILE) soft = {fmt(soft)} < {NOFILE_MIN}",
-                     "Each connection is a file descriptor in a worker; at the limit accept() fails with "
-                     "EMFILE while connections pile up in the queue.", fix)
-    return Check("nofile", "ok", f"open-file limit soft = {fmt(soft)}, hard = {fmt(hard)}")
+        below = f"{want}" if want == NOFILE_MIN else f"{want} needed per worker"
+        return Check("nofile", "warn", f"open-file limit (RLIMIT_NOFILE) soft = {fmt(soft)} < {below}", why, fix)
+    detail = why + (f" Unit: LimitNOFILE={fmt(unit[1])} in {unit[0]}." if unit else "")
+    return Check("nofile", "ok", f"open-file limit soft = {fmt(soft)}, hard = {fmt(hard)}", detail)
 
 
 def _requested(topo: Topology, config: Config, requested_nodes: Iterable[int] | None) -> list[int]:
@@ -362,7 +428,7 @@ def run_checks(
         check_somaxconn(topo, config),
         check_tcp_migrate_req(topo),
         check_kernel(topo),
-        check_nofile(readers),
+        check_nofile(readers, config),
         check_tw_reuse(topo),
     ]
     u = check_unknowns(topo)

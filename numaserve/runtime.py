@@ -123,8 +123,12 @@ class RuntimeDir:
         # start (a live supervisor holds it) must leave that supervisor's
         # sockets, pid file and directory mode exactly as they were.
         ensure_private_dir(self.path, tighten=False)
-        with tight_umask():
-            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            with tight_umask():
+                fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise NumaserveError(f"runtime directory {self.path}: cannot create {LOCK_FILE}: {e.strerror} "
+                                 "(it must be writable: set supervisor.runtime_dir or --runtime-dir)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -178,7 +182,7 @@ class RuntimeDir:
         if self.lock_fd is None:
             return
         for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone, or the directory turned read-only
                 (self.path / name).unlink()
         os.close(self.lock_fd)
         self.lock_fd = None

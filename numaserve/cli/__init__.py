@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(141)
     except KeyboardInterrupt:
         sys.exit(130)
+    except OSError as e:  # the environment, not a bug: say which file and why
+        where = f" on {e.filename}" if e.filename else ""
+        reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or str(e)).lower()
+        click.echo(f"numaserve: error: {reason}{where}", err=True)
+        sys.exit(1)
     except Exception as e:  # a bug: one line for the operator, the traceback on request
         import os
         import traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any, Mapping
 
@@ -20,6 +21,40 @@ def want_json(flag: bool | None) -> bool:
 
 def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+class FiniteFloat(click.ParamType):
+    """A number option that must be finite and in range (click's float takes "nan" and "inf").
+
+    A NaN timeout never expires (``restart --drain-timeout nan`` kept the old
+    worker retiring forever): refused with exit 2 naming the option.
+    """
+
+    name = "number"
+
+    def __init__(self, minimum: float = 0.0, maximum: float | None = None, *, min_open: bool = False) -> None:
+        self.minimum, self.maximum, self.min_open = minimum, maximum, min_open
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float) and math.isfinite(value):
+            v = value
+        else:
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+        low = f"> {self.minimum:g}" if self.min_open else f">= {self.minimum:g}"
+        high = "" if self.maximum is None else f" and <= {self.maximum:g}"
+        if not math.isfinite(v):
+            self.fail(f"{value!r}: expected a finite number {low}{high}", param, ctx)
+        if (v <= self.minimum if self.min_open else v < self.minimum) or (self.maximum is not None and v > self.maximum):
+            self.fail(f"{value!r}: expected a number {low}{high}", param, ctx)
+        return v
+
+
+#: Seconds for timeouts and deadlines on the command line (a week at most, as the ops handlers accept).
+SECONDS = FiniteFloat(0.0, 7 * 86400.0)
+POSITIVE_SECONDS = FiniteFloat(0.0, 7 * 86400.0, min_open=True)
 
 
 def config_from_flags(

@@ -8,10 +8,12 @@ error (or no response at all) exits 1 after printing its summary.
 
 from __future__ import annotations
 
+import math
 import sys
+
 import click
 
-from numaserve.cli.common import echo_json, want_json
+from numaserve.cli.common import FiniteFloat, echo_json, want_json
 from numaserve.errors import UsageError
 from numaserve.loadtest import ERROR_KINDS, LoadConfig, LoadResult, parse_duration, parse_header, run_load
 
@@ -30,14 +32,17 @@ def _duration(_ctx: click.Context, param: click.Parameter, value: str | None) ->
     if value is None:
         return None
     try:
-        return parse_duration(value)
+        seconds = parse_duration(value)
     except ValueError as e:
         raise UsageError(f"--{param.name}: {e}") from None
+    if not math.isfinite(seconds):
+        raise UsageError(f"--{param.name}: {value!r}: expected a finite duration")
+    return seconds
 
 
 @click.command("loadtest", cls=_OneLineErrors)
 @click.argument("url")
-@click.option("-r", "--rate", type=float, default=None,
+@click.option("-r", "--rate", type=FiniteFloat(0.0, 1e9, min_open=True), default=None,
               help="Open loop: schedule this many requests/s; latency counts from the scheduled time.")
 @click.option("-c", "--concurrency", type=int, default=None,
               help="Closed loop: this many clients, one request each at a time (default 10).")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import POSITIVE_SECONDS, SECONDS, config_from_flags, config_option, echo_json, want_json
 from numaserve.cli.fit import Column, fit_table, terminal_width, wrap_parts
 from numaserve.cpulist import format_list
 from numaserve.errors import NumaserveError
@@ -31,7 +31,7 @@ def ops_target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--curve-key", default=None, type=click.Path(dir_okay=False), help="Your CURVE certificate (secret).")
     @click.option("--curve-server-key", default=None, type=click.Path(dir_okay=False),
                   help="The supervisor's public CURVE certificate.")
-    @click.option("--timeout", "reply_timeout", type=float, default=5.0, show_default=True,
+    @click.option("--timeout", "reply_timeout", type=POSITIVE_SECONDS, default=5.0, show_default=True,
                   help="Seconds to wait for a reply.")
     @functools.wraps(fn)
     def wrapper(config_path: str | None, runtime_dir: str | None, endpoint: str | None, curve_key: str | None,
@@ -67,7 +67,7 @@ def _runtime(config_path: str | None, runtime_dir: str | None) -> Path:
 
 
 def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
-    from numaserve.control.client import OpsError, ops_call
+    from numaserve.control.client import OpsError, ops_call, socket_present
 
     try:
         return ops_call(target, verb, args, timeout=timeout)
@@ -75,7 +75,7 @@ def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: f
         if target.runtime_dir is not None and not target.readonly and "permission denied" in str(e):
             # members of ops.readonly_group may still read through ops-ro.sock
             ro = type(target)(runtime_dir=target.runtime_dir, readonly=True)
-            if verb in ("status", "operation") and (ro.runtime_dir / "ops-ro.sock").exists():
+            if verb in ("status", "operation") and socket_present(ro.runtime_dir / "ops-ro.sock"):
                 return ops_call(ro, verb, args, timeout=timeout)
         raise
 
@@ -83,6 +83,8 @@ def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: f
 def _state(s: dict[str, Any]) -> str:
     """The slot state, plus what an operator needs next to it (steered away, when a retry comes)."""
     st = str(s["state"])
+    if s.get("condition"):
+        st += f",{s['condition']}"
     if s.get("unresponsive_s") is not None:
         st += f",silent {s['unresponsive_s']:.0f}s"
     if s.get("retry_in_s") is not None:
@@ -189,7 +191,7 @@ def status(target: Any, reply_timeout: float, as_json: bool | None, latency: boo
 @ops_target_options
 @click.option("--fast", is_flag=True, help="Kill workers at once instead of letting in-flight requests finish.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the supervisor has exited.")
-@click.option("--wait-timeout", type=float, default=60.0, show_default=True)
+@click.option("--wait-timeout", type=POSITIVE_SECONDS, default=60.0, show_default=True)
 def stop(target: Any, reply_timeout: float, fast: bool, wait: bool, wait_timeout: float) -> None:
     """Stop the running supervisor (graceful unless --fast)."""
     from numaserve.runtime import read_pid
@@ -295,7 +297,7 @@ json_option = click.option("--json/--no-json", "as_json", default=None)
 @ops_target_options
 @click.option("--slot", type=int, default=None, help="Slot to take out of service.")
 @click.option("--node", type=int, default=None, help="Every slot of this NUMA node.")
-@click.option("--drain-timeout", "drain_timeout", type=float, default=None,
+@click.option("--drain-timeout", "drain_timeout", type=SECONDS, default=None,
               help="Seconds in-flight and streaming requests get (default ops.drain_timeout).")
 @wait_option
 @json_option
@@ -329,7 +331,7 @@ def undrain(target: Any, reply_timeout: float, slot: int | None, node: int | Non
 @ops_target_options
 @click.option("--slot", type=int, default=None)
 @click.option("--node", type=int, default=None)
-@click.option("--drain-timeout", "drain_timeout", type=float, default=None)
+@click.option("--drain-timeout", "drain_timeout", type=SECONDS, default=None)
 @wait_option
 @json_option
 def restart(target: Any, reply_timeout: float, slot: int | None, node: int | None, drain_timeout: float | None,
@@ -346,7 +348,7 @@ def restart(target: Any, reply_timeout: float, slot: int | None, node: int | Non
 
 @click.command("reload")
 @ops_target_options
-@click.option("--drain-timeout", "drain_timeout", type=float, default=None)
+@click.option("--drain-timeout", "drain_timeout", type=SECONDS, default=None)
 @wait_option
 @json_option
 def reload(target: Any, reply_timeout: float, drain_timeout: float | None, wait: bool,
@@ -386,7 +388,7 @@ def operation(target: Any, reply_timeout: float, op_id: str | None, wait: bool, 
 @click.command("top")
 @click.option("--runtime-dir", default=None)
 @config_option
-@click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh interval (seconds).")
+@click.option("--interval", type=POSITIVE_SECONDS, default=1.0, show_default=True, help="Refresh interval (seconds).")
 @click.option("--iterations", type=int, default=0, help="Stop after N refreshes (0: until Ctrl-C).")
 @json_option
 def top(runtime_dir: str | None, config_path: str | None, interval: float, iterations: int,
@@ -400,9 +402,11 @@ def top(runtime_dir: str | None, config_path: str | None, interval: float, itera
 
     from numaserve.runtime import EVENTS_SOCKET
 
+    from numaserve.control.client import socket_present
+
     rt = _runtime(config_path, runtime_dir)
     path = rt / EVENTS_SOCKET
-    if not path.exists():
+    if not socket_present(path):
         raise NumaserveError(f"no supervisor is running with runtime directory {rt} ({path} does not exist)")
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -10,6 +11,8 @@ import click
 from numaserve.cli.common import echo_json, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
 
+MAX_RATE = 1e9          # as the supervisor's ratelimit_set accepts
+MAX_CONCURRENCY = 1 << 20
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:/s|rps|r/s)$", re.IGNORECASE)
 
 
@@ -19,12 +22,13 @@ def parse_limit(value: str) -> dict[str, Any]:
     m = _RATE.match(v)
     if m:
         rate = float(m.group(1))
-        if rate <= 0:
-            raise click.BadParameter("a rate must be > 0", param_hint="VALUE")
+        if not math.isfinite(rate) or rate <= 0 or rate > MAX_RATE:
+            raise click.BadParameter(f"{value!r}: a rate must be a finite number > 0 and <= {MAX_RATE:g}/s",
+                                     param_hint="VALUE")
         return {"rate": rate}
-    if v.isdigit() and int(v) >= 1:
+    if v.isdigit() and 1 <= int(v) <= MAX_CONCURRENCY:
         return {"concurrency": int(v)}
-    raise click.BadParameter(f"{value!r}: expected a concurrency like 32 or a rate like 200/s", param_hint="VALUE")
+    raise click.BadParameter(f"{value!r}: expected a concurrency like 32 (at most {MAX_CONCURRENCY}) or a rate like 200/s", param_hint="VALUE")
 
 
 @click.group("ratelimit")

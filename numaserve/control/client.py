@@ -43,6 +43,19 @@ class OpsTarget:
         return self.runtime_dir / (OPS_RO_SOCKET if self.readonly else OPS_SOCKET)
 
 
+def denied(path: Path) -> str:
+    return (f"permission denied on {path}: run as the supervisor's user or root "
+            "(members of ops.readonly_group may run status and top)")
+
+
+def socket_present(path: Path) -> bool:
+    """Whether ``path`` exists; OpsError "permission denied on DIR" when we may not even look."""
+    try:
+        return path.exists()
+    except PermissionError:
+        raise OpsError(denied(path.parent)) from None
+
+
 def _who() -> dict[str, Any]:
     try:
         user = getpass.getuser()
@@ -72,19 +85,14 @@ def _connect(sock: zmq.Socket, target: OpsTarget) -> str:
         return target.endpoint
     assert target.runtime_dir is not None
     path = target._ipc_path()
-    try:
-        present = path.exists()
-    except PermissionError:
-        present = False
-    if target.runtime_dir.is_dir() and not os.access(target.runtime_dir, os.X_OK):
-        raise OpsError(f"permission denied: {target.runtime_dir} (run as the supervisor's user or root)")
+    present = socket_present(path)
     if not present:
         raise OpsError(
             f"no supervisor is running with runtime directory {target.runtime_dir} ({path} does not exist); "
             "start one with `numaserve start` or pass --runtime-dir"
         )
     if not (os.access(path.parent, os.X_OK) and os.access(path, os.R_OK | os.W_OK)):
-        raise OpsError(f"permission denied: {path} (run as the supervisor's user or root)")
+        raise OpsError(denied(path))
     sock.connect(f"ipc://{path}")
     return f"ipc://{path}"
 

@@ -42,6 +42,10 @@ class Hello(Msg, kw_only=True):
     generation: int
     pid: int
     placement: Placement | None = None
+    #: The per-spawn secret the supervisor handed this process (an inherited
+    #: pipe, read and closed before the app is imported): proves the sender
+    #: is the process that was spawned for this slot/generation.
+    token: str = ""
 
 
 class Ready(Msg, kw_only=True):
@@ -119,13 +123,18 @@ def encode(msg: Msg) -> bytes:
     return _enc.encode(msg)
 
 
-def _decode(dec: msgspec.msgpack.Decoder, data: bytes) -> Any:
+def _decode(dec: msgspec.msgpack.Decoder, data: Any) -> Any:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadMessage(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         return dec.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise BadMessage(str(e)) from None
+        raise BadMessage(str(e)[:300]) from None
+    except (RecursionError, MemoryError, ValueError, TypeError, OverflowError) as e:
+        # deeply nested or absurdly sized input: never a crash of the receiver
+        raise BadMessage(f"undecodable: {type(e).__name__}") from None
 
 
 def decode_from_worker(data: bytes) -> WorkerToSupervisor:

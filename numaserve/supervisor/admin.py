@@ -19,6 +19,15 @@ prober should see.
   (``sup.readyz_probes``): the grace is only spent when something watches
   readiness.
 * ``/metrics`` — Prometheus text from a registry holding only our collector.
+
+Any local user can connect, so every connection is bounded
+(``ConnectionGuard``): at most ``[admin] max_connections`` (lowered to fit
+the fd budget); at the cap the oldest idle connection is closed to admit the
+new one, and when none is idle the new one is closed at once; a request's
+headers must arrive within ``idle_timeout`` of the connection (or of the
+previous response) and a kept-alive connection is closed after as long idle.
+Without this, idle connections were never closed and filled the
+supervisor's fd table (then libzmq aborts it: see ``fdbudget``).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import contextlib
 import json
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generator, Mapping, Protocol
 
@@ -51,6 +61,9 @@ __all__ = [
 
 log = structlog.get_logger("numaserve.admin")
 
+#: Connections accepted per readiness event (and the listen backlog): the fd budget counts them.
+ACCEPT_BATCH = 16
+
 #: The supervision loop ticks at least every 0.2 s; 5 s without a tick is never normal.
 HEARTBEAT_STALE_S = 5.0
 
@@ -66,10 +79,14 @@ class AdminConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics show the deployment's shape, keep them off public interfaces);
     "" disables it, like ``enabled = false``.  Port 0 picks a free port
     (shown in ``numaserve status`` as ``supervisor.admin``).
+    ``max_connections``: open connections at most; ``idle_timeout``: seconds
+    a connection may sit without a complete request.
     """
 
     enabled: bool = True
     bind: str = "127.0.0.1:9180"
+    max_connections: int = 64
+    idle_timeout: float = 5.0
 
 
 class SupervisorView(Protocol):
@@ -195,6 +212,97 @@ def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: flo
 # -------------------------------------------------------------------- server
 
 
+class ConnectionGuard:
+    """Admission and deadlines for the admin server's connections (see the module docstring)."""
+
+    def __init__(self, max_connections: int, idle_timeout: float) -> None:
+        self.max_connections = max(1, int(max_connections))
+        self.idle_timeout = idle_timeout
+        self.open: OrderedDict[int, Any] = OrderedDict()   # oldest first
+        self.accepted = self.refused = self.evicted = self.timed_out = 0
+
+    def admit(self, proto: Any) -> bool:
+        if len(self.open) >= self.max_connections:
+            victim = next((p for p in self.open.values() if p.idle()), None)
+            if victim is None:
+                self.refused += 1
+                return False
+            self.evicted += 1
+            self.open.pop(id(victim), None)
+            victim.close_idle()
+        self.accepted += 1
+        self.open[id(proto)] = proto
+        return True
+
+    def forget(self, proto: Any) -> None:
+        self.open.pop(id(proto), None)
+
+    def status(self) -> dict[str, Any]:
+        return {"open": len(self.open), "max_connections": self.max_connections, "accepted": self.accepted,
+                "refused": self.refused, "evicted_idle": self.evicted, "closed_idle": self.timed_out}
+
+
+def guarded_h11_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, admitted by ``guard`` and closed when idle past its deadline."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._refused = False
+            self._idle_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if not guard.admit(self):
+                self._refused = True
+                transport.abort()  # closed at once: no fd is kept for it
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            guard.forget(self)
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self.idle():
+                self._disarm()  # a request is being answered: its deadline is the app's business
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's headers get the same deadline
+
+        def idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def close_idle(self) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._idle_timer = self.loop.call_later(guard.idle_timeout, self._expire)
+
+        def _disarm(self) -> None:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+
+        def _expire(self) -> None:
+            self._idle_timer = None
+            if self.idle() and not self.transport.is_closing():
+                guard.timed_out += 1
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
 def _server_class() -> type[Any]:
     """uvicorn.Server that leaves signals to the supervisor (as the worker's server does)."""
     import uvicorn
@@ -224,20 +332,13 @@ def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
         host, port = parse_bind(cfg.bind)
     except ValueError as e:
         raise NumaserveError(f"admin.bind = {cfg.bind!r}: {e}") from None
+    from numaserve.supervisor.frontdoor import listen_tcp
+
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = listen_tcp(host, port, 64)
     except socket.gaierror as e:
         raise NumaserveError(f"admin.bind = {cfg.bind!r}: cannot resolve {host}: {e.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, port))
-        sock.listen(64)
-        sock.setblocking(False)
     except OSError as e:
-        sock.close()
         raise NumaserveError(
             f"admin.bind = {cfg.bind!r}: cannot listen: {e.strerror} "
             '(another process holds the port? set [admin] bind = "" to disable the admin endpoint)'
@@ -259,7 +360,11 @@ class AdminHandle:
     sock: socket.socket
     address: str
     heartbeat: LoopHeartbeat
+    guard: ConnectionGuard | None = None
     _stopped: bool = field(default=False, repr=False)
+
+    def connections_status(self) -> dict[str, Any] | None:
+        return self.guard.status() if self.guard is not None else None
 
     @property
     def url(self) -> str:
@@ -288,11 +393,13 @@ class AdminHandle:
 
 async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.socket | None = None,
                       heartbeat: LoopHeartbeat | None = None, stale_after: float = HEARTBEAT_STALE_S,
-                      cpu_node: Mapping[int, int] | None = None) -> AdminHandle | None:
+                      cpu_node: Mapping[int, int] | None = None,
+                      max_connections: int | None = None) -> AdminHandle | None:
     """Serve the admin app in the running loop; None when disabled.
 
     ``sock`` is the socket from ``open_admin_socket`` (bound early); without it
     one is bound here.  ``heartbeat`` defaults to ``sup.heartbeat``.
+    ``max_connections``: the cap from the fd budget (default ``cfg.max_connections``).
     """
     if sock is None:
         sock = open_admin_socket(cfg)
@@ -305,19 +412,25 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
     import uvicorn
 
     app = build_app(sup, hb, stale_after=stale_after, cpu_node=cpu_node)
+    guard = ConnectionGuard(cfg.max_connections if max_connections is None else max_connections, cfg.idle_timeout)
     config = uvicorn.Config(
         app,
         lifespan="off",
-        http="h11",              # small, strict parser; scrapes are tiny
+        http=guarded_h11_protocol(guard),  # h11: small, strict parser; scrapes are tiny
         ws="none",
         interface="asgi3",
         loop="none",             # the supervisor's loop
         log_config=None,         # the supervisor configured logging (structlog)
         log_level="warning",
         access_log=False,
-        timeout_keep_alive=5,
+        timeout_keep_alive=cfg.idle_timeout,  # type: ignore[arg-type]  # a float works
         timeout_graceful_shutdown=2,
-        limit_concurrency=32,    # bounded: a scrape storm must not starve the supervision loop
+        # the guard bounds connections (and so requests): uvicorn's own limit would
+        # count idle connections too and answer 503 while the guard could evict them
+        limit_concurrency=guard.max_connections + 1,
+        # asyncio accepts up to `backlog` connections per readiness event before any
+        # protocol (so the guard) runs: uvicorn's default 2048 let one event fill the fd table
+        backlog=ACCEPT_BATCH,
         server_header=False,
     )
     server = _server_class()(config)
@@ -331,6 +444,6 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
             await task
         sock.close()
         raise NumaserveError(f"admin endpoint on {cfg.bind} did not start")
-    handle = AdminHandle(server=server, task=task, sock=sock, address=_address(sock), heartbeat=hb)
+    handle = AdminHandle(server=server, task=task, sock=sock, address=_address(sock), heartbeat=hb, guard=guard)
     log.info("admin_listening", address=handle.address, paths=["/metrics", "/healthz", "/readyz"])
     return handle

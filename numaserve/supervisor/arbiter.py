@@ -18,6 +18,7 @@ Signal handlers only set flags (run in the event loop via add_signal_handler).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -30,6 +31,8 @@ import zmq.asyncio
 
 from numaserve.config import Config
 from numaserve.control import messages as m
+from numaserve.control.checks import heartbeat_problem, stats_problem
+from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
 from numaserve.listeners import ListenerSet, accept_queue_depth, open_listeners
 from numaserve.placement import Plan
@@ -45,7 +48,11 @@ from numaserve.runtime import (
 )
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_socket, start_admin
+from numaserve.supervisor import controlplane as cp
+from numaserve.supervisor import fdbudget, workerauth
 from numaserve.supervisor.audit import AuditLog
+from numaserve.supervisor.frontdoor import FrontDoor, bind_tcp, bind_unix
+from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lbgrace import GraceDecision, ProbeClock, decide_lb_grace
 from numaserve.supervisor import exits as X
@@ -71,7 +78,9 @@ LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.launch: binding or exec failed
 LAUNCH_EXIT_NOT_FOUND = 127
 
 TICK = 0.2
-MAX_OPS_BYTES = 64 * 1024
+OPS_RO_BACKEND = "ops-ro-backend.sock"    # libzmq side of the read-only front door
+OPS_TCP_BACKEND = "ops-tcp-backend.sock"  # libzmq (CURVE) side of the TCP front door
+EVENTS_BACKEND = "events-backend.sock"    # libzmq PUB behind the events.sock front door
 #: After lb_grace, how long the workers may take to accept what is queued before
 #: they are told to stop (a connection left in a listener at close is reset).
 ACCEPT_SETTLE_MAX_S = 5.0
@@ -148,6 +157,13 @@ class Supervisor:
         self.ops_ro: zmq.asyncio.Socket | None = None
         self.ops_tcp: zmq.asyncio.Socket | None = None
         self.authenticator: Any = None
+        self.curve_keys: Any = None               # AuthorizedKeys when ops.tcp_endpoint is set
+        self.doors: list[FrontDoor] = []          # the bounded listeners in front of ops-ro and ops-tcp
+        self.fdwatch: fdbudget.FdWatch | None = None
+        self.fd_caps: fdbudget.CapsPlan | None = None
+        self.ops_limiter = PeerRateLimiter(cfg.ops.rate_limit, cfg.ops.rate_burst)
+        self.rejected: dict[int, int] = {}        # per slot: control messages refused (forged/unverified)
+        self._reject_logged: dict[tuple[int, str], float] = {}
         self.audit = AuditLog(
             __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
         )
@@ -186,6 +202,10 @@ class Supervisor:
 
     def open(self) -> None:
         """Everything that can fail before a worker exists (raises NumaserveError)."""
+        old_soft, limit, hard = fdbudget.raise_nofile()
+        if limit != old_soft:
+            log.info("nofile_raised", soft_was=old_soft, soft=limit, hard=hard,
+                     note="workers keep the original soft limit")
         self.runtime.acquire()
         self.listeners = open_listeners(
             self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
@@ -212,12 +232,22 @@ class Supervisor:
         with tight_umask():
             self.ctl = self._bind(zmq.ROUTER, CONTROL_SOCKET)
             self.ops = self._bind(zmq.ROUTER, OPS_SOCKET)
-            self.ops_ro = self._bind(zmq.ROUTER, OPS_RO_SOCKET)
-            self.pub = self._bind(zmq.PUB, EVENTS_SOCKET)
+            self.ops_ro = self._bind(zmq.ROUTER, OPS_RO_BACKEND)
+            self.pub = self._bind(zmq.PUB, EVENTS_BACKEND)
+            ro_sock = bind_unix(str(self.runtime.path / OPS_RO_SOCKET))
+            events_sock = bind_unix(str(self.runtime.path / EVENTS_SOCKET))
         if gid is not None:
             self.runtime.open_to_group(OPS_RO_SOCKET, gid)
+        tcp_sock = None
         if self.cfg.ops.tcp_endpoint:
-            self.ops_tcp = self._bind_curve_tcp()
+            try:
+                self.ops_tcp = self._bind_curve_tcp()
+                tcp_sock = bind_tcp(self.cfg.ops.tcp_endpoint)
+            except BaseException:
+                ro_sock.close()
+                events_sock.close()
+                raise
+        self._plan_fds(limit, ro_sock, events_sock, tcp_sock)
         log.info(
             "listening",
             addresses=self.listeners.addresses(),
@@ -278,18 +308,43 @@ class Supervisor:
 
     def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
         assert self.ctx is not None
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.ROUTER:
-            sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.bind(self.runtime.endpoint(name))
-        return sock
+        return cp.bind_socket(self.ctx, kind, self.runtime.endpoint(name))
+
+    def _plan_fds(self, limit: int, ro_sock: Any, events_sock: Any, tcp_sock: Any) -> None:
+        """Connection caps that fit under the fd limit; the front doors around ops-ro, events and ops-tcp."""
+        wanted = {"admin": (self.cfg.admin.max_connections if self.admin_sock is not None else 0, 1),
+                  "ops-ro": (self.cfg.ops.max_connections, 3),  # client + splice + libzmq's side
+                  "events": (self.cfg.ops.max_connections, 3)}
+        if tcp_sock is not None:
+            wanted["ops-tcp"] = (self.cfg.ops.max_connections, 3)
+        baseline = fdbudget.count_open_fds() or 0
+        plan = fdbudget.plan_caps(limit, baseline, len(self.slots), wanted)
+        self.fd_caps = plan
+        if plan.scaled:
+            log.warning("fd_budget_tight", limit=limit, baseline=baseline, caps=plan.caps, wanted=plan.wanted,
+                        fix="raise LimitNOFILE= (systemd) / ulimit -n: connection caps were lowered to fit")
+        self.fdwatch = fdbudget.FdWatch(limit=limit)
+        idle = self.cfg.ops.idle_timeout
+        self.doors.append(FrontDoor("ops-ro", ro_sock, str(self.runtime.path / OPS_RO_BACKEND),
+                                    max_connections=plan.caps["ops-ro"], idle_timeout=idle))
+        # a subscriber to rare events is quiet for long: no idle timeout (the cap still evicts quiet ones)
+        self.doors.append(FrontDoor("events", events_sock, str(self.runtime.path / EVENTS_BACKEND),
+                                    max_connections=plan.caps["events"], idle_timeout=None,
+                                    max_client_bytes=cp.EVENTS_CLIENT_BYTES))
+        if tcp_sock is not None:
+            self.doors.append(FrontDoor("ops-tcp", tcp_sock, str(self.runtime.path / OPS_TCP_BACKEND),
+                                        max_connections=plan.caps["ops-tcp"], idle_timeout=idle))
 
     def _bind_curve_tcp(self) -> zmq.asyncio.Socket:
-        """Remote ops over TCP: CURVE encryption + client keys authorized by file."""
+        """Remote ops over TCP: CURVE encryption + client keys authorized by file.
+
+        libzmq's CURVE socket is bound on a private ipc path; the TCP listener
+        itself is a ``FrontDoor`` (bounded connections) that splices to it.
+        """
         import zmq.auth
         from zmq.auth.thread import ThreadAuthenticator
+
+        from numaserve.supervisor.curvekeys import AuthorizedKeys
 
         assert self.ctx is not None
         o = self.cfg.ops
@@ -304,22 +359,22 @@ class Supervisor:
         # The ZAP handler runs in its own thread on a sync shadow of our context
         # (same libzmq context, so it authenticates our sockets), independent of
         # the event loop, which does not exist yet when listeners are opened.
+        self.curve_keys = AuthorizedKeys(o.curve_authorized_keys)
+        self.curve_keys.load()
         self.authenticator = ThreadAuthenticator(zmq.Context.shadow(self.ctx.underlying))
         self.authenticator.start()
-        self.authenticator.configure_curve(domain="*", location=o.curve_authorized_keys)
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
-        try:
-            sock.bind(o.tcp_endpoint)
-        except zmq.ZMQError as e:
-            sock.close(0)
-            raise NumaserveError(f"ops.tcp_endpoint {o.tcp_endpoint}: cannot bind: {e}") from None
+        self.authenticator.configure_curve_callback(domain="*", credentials_provider=self.curve_keys)
+        with tight_umask():
+            sock = cp.bind_socket(self.ctx, zmq.ROUTER, self.runtime.endpoint(OPS_TCP_BACKEND),
+                                  curve_secretkey=secret, curve_publickey=public, curve_server=True)
         log.info("ops_tcp_listening", endpoint=o.tcp_endpoint, auth="curve")
         return sock
+
+    def reload_curve_keys(self) -> None:
+        """Re-read ``ops.curve_authorized_keys`` (reload, SIGHUP).  A removed key is refused for new
+        connections (ZAP) and for every further request on connections it already made."""
+        if self.curve_keys is not None:
+            self.curve_keys.load()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -327,6 +382,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         loop.add_signal_handler(signal.SIGCHLD, self.wake.set)
+        loop.set_exception_handler(self._loop_exception)
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="control"),
             asyncio.create_task(self._ops_loop(self.ops, "ipc"), name="ops"),
@@ -334,9 +390,13 @@ class Supervisor:
         ]
         if self.ops_tcp is not None:
             self._tasks.append(asyncio.create_task(self._ops_loop(self.ops_tcp, "tcp-curve"), name="ops-tcp"))
+        for door in self.doors:
+            await door.start()
         if self.admin_sock is not None:
             try:
-                self.admin = await start_admin(self, self.cfg.admin, sock=self.admin_sock)
+                caps = self.fd_caps.caps if self.fd_caps else {}
+                self.admin = await start_admin(self, self.cfg.admin, sock=self.admin_sock,
+                                               max_connections=caps.get("admin"))
             except NumaserveError as e:  # serving matters more than metrics: say so loudly, go on
                 log.error("admin_failed", error=str(e))
             self.admin_sock = None
@@ -366,6 +426,8 @@ class Supervisor:
                 if now - self._last_mem >= 1.0:
                     self._last_mem = now
                     self.leakwatch.tick(now)
+                    if self.fdwatch is not None:
+                        self.fdwatch.tick()
                 self._steer()
                 self._rescue()
                 self._check_shared_port(now)
@@ -383,6 +445,8 @@ class Supervisor:
                 t.cancel()
             await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
             await self.rescuer.close()
+            for door in self.doors:
+                await door.stop()
             if self.admin is not None:
                 await self.admin.stop()
                 self.admin = None
@@ -408,6 +472,11 @@ class Supervisor:
             self.admin_sock.close()
             self.admin_sock = None
         self._restore_irqs()
+        for door in self.doors:
+            door.close()
+        self.doors = []
+        if self.fdwatch is not None:
+            self.fdwatch.close()
         for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
             if sock is not None:
                 sock.close(0)
@@ -416,6 +485,10 @@ class Supervisor:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
+        if self.runtime.lock_fd is not None:  # ours: the libzmq sides of the front doors
+            for name in (OPS_RO_BACKEND, OPS_TCP_BACKEND, EVENTS_BACKEND):
+                with contextlib.suppress(OSError):
+                    (self.runtime.path / name).unlink()
         self.runtime.release()
         self.notifier.close()
         from numaserve.log import remove_event_sink
@@ -430,12 +503,14 @@ class Supervisor:
         """Start the slot's next generation (raises OSError/NumaserveError)."""
         slot.generation += 1
         fds = self.listeners.by_slot[slot.plan.slot]
+        token = workerauth.new_token()
         popen, external, env = spawn(
             self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
-            node_cpus=self._node_cpus(slot.plan.node),
+            node_cpus=self._node_cpus(slot.plan.node), token=token,
         )
-        w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external, env=env)
+        w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external, env=env,
+                         token=None if external else token)
         log.info(
             "spawn",
             slot=slot.plan.slot,
@@ -462,6 +537,8 @@ class Supervisor:
             slot.worker = self._spawn_generation(slot, now)
         except (OSError, NumaserveError) as e:
             log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
+            if fdbudget.is_fd_exhaustion(e) and self.fdwatch is not None:
+                self.fdwatch.note_exhaustion("spawn", e)
             self._after_exit(slot, now, 0.0, f"spawn failed: {e}", kind=X.BOOT)
             return
         slot.state = S.STARTING
@@ -795,35 +872,37 @@ class Supervisor:
 
     async def _control_loop(self) -> None:
         assert self.ctl is not None
-        while True:
-            try:
-                frames = await self.ctl.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as e:
-                log.warning("control_recv_error", error=str(e))
-                await asyncio.sleep(0.05)
-                continue
-            if len(frames) != 2:
-                self._bad("control", f"{len(frames)} frames")
-                continue
-            identity, payload = frames
-            try:
-                msg = m.decode_from_worker(payload)
-            except m.BadMessage as e:
-                self._bad("control", str(e))
-                continue
-            try:
-                self._handle_worker_msg(identity, msg)
-            except Exception as e:  # never let one message take the loop down
-                log.exception("control_handler_error", error=str(e))
-            self.wake.set()
+        await cp.serve_control(self, self.ctl)
 
-    def _bad(self, channel: str, why: str) -> None:
+    def count_bad(self, channel: str, why: str) -> None:
+        """A malformed, unknown or refused message: counted (status: bad_messages) and dropped."""
         self.bad_messages += 1
         log.debug("bad_message", channel=channel, reason=why, total=self.bad_messages)
 
-    def _handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor) -> None:
+    _bad = count_bad
+
+    def _reject(self, slot: S.SlotState, why: str, peer: PeerCred | None) -> None:
+        """A message for ``slot`` that its worker did not send: count, drop, say so (rate-limited)."""
+        self.count_bad("control", why)
+        n = slot.plan.slot
+        self.rejected[n] = self.rejected.get(n, 0) + 1
+        now = time.monotonic()
+        key = (n, why.split(":")[0][:40])
+        if now - self._reject_logged.get(key, -1e9) >= 10.0:
+            self._reject_logged[key] = now
+            log.warning("control_message_refused", slot=n, reason=why, sender=peer.to_json() if peer else None,
+                        refused_for_slot=self.rejected[n])
+
+    def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
+        self._handle_worker_msg(identity, msg, peer)
+
+    def _handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
+        """Apply a worker's message, if it comes from the process spawned for its slot/generation.
+
+        Hello must carry the spawn token and come from the spawned pid (SO_PEERCRED);
+        later messages must come on the identity that said Hello, from that pid.
+        Anything else is counted and dropped; nothing here signals a pid a message names.
+        """
         slot = self.slots.get(msg.slot)
         w = slot.find(msg.generation) if slot is not None else None
         if slot is None or w is None:
@@ -831,12 +910,18 @@ class Supervisor:
             return
         now = time.monotonic()
         if isinstance(msg, m.Hello):
-            if msg.protocol != m.PROTOCOL:
-                w.kill_reason = f"protocol {msg.protocol} != {m.PROTOCOL}"
-                self._signal(w, signal.SIGTERM)
+            why = workerauth.check_hello(msg, expected_pid=w.pid, expected_token=w.token, peer=peer)
+            if why:
+                self._reject(slot, f"hello refused: {why}", peer)
                 return
-            if msg.pid != w.pid:
-                self._bad("control", f"hello from pid {msg.pid}, expected {w.pid}")
+            if msg.protocol != m.PROTOCOL:
+                reason = f"control protocol {msg.protocol}, the supervisor speaks {m.PROTOCOL}"
+                self._reject(slot, f"hello refused: {reason}", peer)
+                if peer is not None or w.token is not None:
+                    # proven to be the process we spawned (kernel pid or token): end it with the reason,
+                    # rather than let it hang until the ready timeout
+                    w.kill_reason = reason
+                    self._signal(w, signal.SIGTERM)
                 return
             w.identity = identity
             w.hello = now
@@ -844,6 +929,7 @@ class Supervisor:
             w.placement = msg.placement
             if msg.placement is not None and not msg.placement.ok:
                 log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
+            self.wake.set()
             if self.stopping and w.stop_sent is None:
                 self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
                 return
@@ -853,20 +939,38 @@ class Supervisor:
                 asyncio.get_running_loop().create_task(self._send(w, cmd))
             return
         if w.identity is None or identity != w.identity:
-            self._bad("control", "message before hello or from another identity")
+            self._reject(slot, f"{type(msg).__name__} before hello or from another identity", peer)
             return
-        w.last_beat = now
+        why = workerauth.check_sender(w.pid, peer)
+        if why:
+            self._reject(slot, f"{type(msg).__name__} {why}", peer)
+            return
         if isinstance(msg, m.Heartbeat):
+            problem = heartbeat_problem(msg)
+            if problem:
+                self._bad("control", f"heartbeat: {problem}")
+                return
+            w.last_beat = now
             w.loop_lag = msg.loop_lag
-        elif isinstance(msg, m.Ready):
-            self._on_ready(slot, w, now)
-        elif isinstance(msg, m.Stats):
+            return
+        if isinstance(msg, m.Stats):
+            problem = stats_problem(msg)
+            if problem:
+                self._bad("control", f"stats: {problem}")
+                return
+            w.last_beat = now
             w.stats = msg
             if msg.rss_bytes:
                 w.rss_bytes = msg.rss_bytes
+            return
+        w.last_beat = now
+        if isinstance(msg, m.Ready):
+            self._on_ready(slot, w, now)
+            self.wake.set()
         elif isinstance(msg, m.Goodbye):
-            w.goodbye = msg.reason
-            log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=msg.reason)
+            w.goodbye = msg.reason[:500]
+            log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=w.goodbye)
+            self.wake.set()
         elif isinstance(msg, m.Ack):
             log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
             fut = self._acks.pop((msg.ref, msg.slot, msg.generation), None)
@@ -979,6 +1083,11 @@ class Supervisor:
             d["shed"] = st.shed if st else 0
             d["limits"] = self.limits.status(slot)
             d["memory"] = self.leakwatch.status(slot)
+            extra = st.extra if st else {}
+            d["condition"] = "degraded (fd limit)" if extra.get("fd_limited") else None
+            d["fds"] = ({k: extra.get(k) for k in ("fds_open", "fd_limit", "accept_errors", "fd_limit_hits")}
+                        if "fd_limit" in extra else None)
+            d["control_refused"] = self.rejected.get(slot.plan.slot, 0)
             out.append(d)
         return out
 
@@ -1231,8 +1340,12 @@ class Supervisor:
     def _start_reload(self, args: dict[str, Any]) -> Operation:
         from numaserve.config import load_config
         from numaserve.placement import make_plan
+        from numaserve.supervisor.ops import arg_timeout
         from numaserve.topology import discover
 
+        timeout_arg = arg_timeout(args, "timeout", None)
+        # a revoked key must stop working even when the rest of the reload is refused
+        self.reload_curve_keys()
         try:
             new_cfg = load_config(self.config_path, self.overrides)
             from numaserve.allocator import check_allocator
@@ -1254,12 +1367,16 @@ class Supervisor:
                 "reload refused, nothing changed: " + "; ".join(problems)
                 + " (these need a restart of the service)"
             )
-        timeout = float(args.get("timeout") or new_cfg.ops.drain_timeout)
+        timeout = new_cfg.ops.drain_timeout if timeout_arg is None else timeout_arg
         slots = list(self.slots.values())
 
         async def body(op: Operation) -> str:
             self.cfg = new_cfg
             self.topology = topo
+            self.ops_limiter.rate, self.ops_limiter.burst = new_cfg.ops.rate_limit, float(new_cfg.ops.rate_burst)
+            for door in self.doors:
+                if door.idle_timeout is not None:
+                    door.idle_timeout = new_cfg.ops.idle_timeout
             if self.steering is not None and self.steering.mode != new_cfg.server.steering:
                 self.steering.mode = new_cfg.server.steering
                 self.steering.healthy = None  # force a reattach
@@ -1312,47 +1429,27 @@ class Supervisor:
 
     async def _ops_loop(self, sock: zmq.asyncio.Socket | None, channel: str, *, readonly: bool = False) -> None:
         """Serve one ops socket; bad requests get an error reply, never an exception."""
-        from numaserve.supervisor.ops import handle_ops_request
-
         assert sock is not None
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as e:
-                log.warning("ops_recv_error", channel=channel, error=str(e))
-                await asyncio.sleep(0.05)
-                continue
-            identity = frames[0].bytes
-            peer_key = None
-            if channel == "tcp-curve":
-                try:
-                    peer_key = frames[-1].get("User-Id")
-                except (zmq.ZMQError, KeyError):
-                    peer_key = None
-            payload = frames[-1].bytes
-            # REQ clients send [identity, b"", payload]; DEALER clients [identity, payload]
-            envelope = [identity, b""] if len(frames) == 3 and frames[1].bytes == b"" else [identity]
-            if len(frames) not in (2, 3) or len(payload) > MAX_OPS_BYTES:
-                self._bad("ops", f"{len(frames)} frames / {len(payload)} bytes")
-                reply = m.OpsReply(ok=False, error="malformed request")
-            else:
-                try:
-                    req = m.decode_ops_request(payload)
-                except m.BadMessage as e:
-                    self._bad("ops", str(e))
-                    reply = m.OpsReply(ok=False, error=f"malformed request: {e}")
-                else:
-                    who = dict(req.who) if isinstance(req.who, dict) else {}
-                    if peer_key:
-                        who["curve_key"] = peer_key
-                    reply = await handle_ops_request(self, req, channel=channel, readonly=readonly, who=who)
-            try:
-                await sock.send_multipart(envelope + [m.msgspec.msgpack.encode(reply)], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self.wake.set()
+        await cp.serve_ops(self, sock, channel, readonly=readonly)
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio reports accept() failing with EMFILE here (and pauses that listener for 1 s)."""
+        exc = context.get("exception")
+        if fdbudget.is_fd_exhaustion(exc) and self.fdwatch is not None:
+            self.fdwatch.note_exhaustion(str(context.get("message") or "accept"), exc)
+            return
+        loop.default_exception_handler(context)
+
+    def _control_plane_status(self) -> dict[str, Any]:
+        return {
+            "fds": self.fdwatch.status() if self.fdwatch else None,
+            "fd_budget": self.fd_caps.to_json() if self.fd_caps else None,
+            "front_doors": {d.name: d.status() for d in self.doors},
+            "admin_connections": self.admin.connections_status() if self.admin else None,
+            "ops_rate_limited": self.ops_limiter.limited,
+            "curve_keys": len(self.curve_keys.keys) if self.curve_keys is not None else None,
+            "audit": self.audit.status(),
+        }
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -1372,6 +1469,7 @@ class Supervisor:
                     for slot, ls in self.listeners.by_slot.items()
                 },
                 "bad_messages": self.bad_messages,
+                "control_plane": self._control_plane_status(),
                 "steering": self._steering_status(),
                 "rescue": self.rescuer.status(),
                 "admin": self.admin.address if self.admin else None,
@@ -1406,12 +1504,15 @@ def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) ->
     if a != b:
         out.append("the placement plan changed (nodes, workers per node, CPUs or memory policy)")
     if old.admin != new.admin:
-        out.append("admin.bind/admin.enabled changed")
+        changed = [k for k in ("enabled", "bind", "max_connections", "idle_timeout")
+                   if getattr(old.admin, k) != getattr(new.admin, k)]
+        out.append("admin." + ", admin.".join(changed) + " changed")
     if old.supervisor.runtime_dir != new.supervisor.runtime_dir:
         out.append("supervisor.runtime_dir changed")
     if old.ops != new.ops:
         changed = [k for k in ("readonly_group", "audit_log", "tcp_endpoint", "curve_secret_key",
-                               "curve_authorized_keys") if getattr(old.ops, k) != getattr(new.ops, k)]
+                               "curve_authorized_keys", "max_connections")
+                   if getattr(old.ops, k) != getattr(new.ops, k)]
         if changed:
             out.append("ops." + ", ops.".join(changed) + " changed")
     return out

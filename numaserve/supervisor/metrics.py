@@ -292,6 +292,18 @@ class NumaserveCollector(Collector):
         b.set("numaserve_supervisor_loop_heartbeat_age_seconds",
               "Seconds since the supervision loop last completed a tick", [], [],
               _num(sup.get("loop_heartbeat_age_s")))
+        fds = _get(sup, "control_plane", "fds")
+        if isinstance(fds, Mapping):
+            b.set("numaserve_supervisor_open_fds", "File descriptors the supervisor holds", [], [],
+                  _num(fds.get("open")))
+            b.set("numaserve_supervisor_fd_limit", "The supervisor's open-file limit (soft RLIMIT_NOFILE)", [], [],
+                  _num(fds.get("limit")))
+            b.count("numaserve_supervisor_fd_exhausted_total", "Seconds in which a supervisor call failed with "
+                    "EMFILE/ENFILE", [], [], _num(fds.get("exhausted")))
+        limited = _get(sup, "control_plane", "ops_rate_limited")
+        if limited is not None:
+            b.count("numaserve_ops_rate_limited_total", "Ops requests answered \"rate limited\"", [], [],
+                    _num(limited))
 
     def _operations(self, b: _Builder, snap: Mapping[str, Any]) -> None:
         ops = snap.get("operations")

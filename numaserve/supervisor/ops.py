@@ -9,6 +9,7 @@ exception in the supervisor.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import structlog
@@ -38,24 +39,56 @@ def verb(name: str, *, mutating: bool) -> Callable[[Handler], Handler]:
     return deco
 
 
-def arg_int(args: dict[str, Any], name: str, *, required: bool = False, minimum: int = 0) -> int | None:
+#: Longest timeout an ops request may ask for (a week): past that it is a typo, not a plan.
+MAX_TIMEOUT_S = 7 * 86400.0
+MAX_RATE = 1e9
+
+
+def arg_int(args: dict[str, Any], name: str, *, required: bool = False, minimum: int = 0,
+            maximum: int = 1 << 31) -> int | None:
     v = args.get(name)
     if v is None:
         if required:
             raise OpsArgError(f"missing argument {name!r}")
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise OpsArgError(f"argument {name!r} = {v!r}: expected an integer >= {minimum}")
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        raise OpsArgError(f"argument {name!r} = {v!r}: expected an integer in {minimum}..{maximum}")
+    return v
+
+
+def arg_number(args: dict[str, Any], name: str, *, minimum: float, maximum: float,
+               exclusive_min: bool = False, unit: str = "") -> float | None:
+    """A finite number in range (NaN and infinities refused: a NaN deadline never expires)."""
+    v = args.get(name)
+    if v is None:
+        return None
+    low_ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+        v > minimum if exclusive_min else v >= minimum)
+    if not low_ok or v > maximum:
+        bound = f"> {minimum:g}" if exclusive_min else f">= {minimum:g}"
+        raise OpsArgError(f"argument {name!r} = {v!r}: expected a finite number {bound} and <= {maximum:g}{unit}")
+    return float(v)
+
+
+def arg_timeout(args: dict[str, Any], name: str, default: float | None) -> float | None:
+    v = arg_number(args, name, minimum=0.0, maximum=MAX_TIMEOUT_S, unit=" seconds")
+    return default if v is None else v
+
+
+def arg_bool(args: dict[str, Any], name: str, default: bool = False) -> bool:
+    v = args.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise OpsArgError(f"argument {name!r} = {v!r}: expected true or false")
     return v
 
 
 def arg_float(args: dict[str, Any], name: str, default: float) -> float:
-    v = args.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise OpsArgError(f"argument {name!r} = {v!r}: expected a number >= 0")
-    return float(v)
+    """A timeout-like argument: finite, >= 0, at most MAX_TIMEOUT_S."""
+    v = arg_timeout(args, name, default)
+    assert v is not None
+    return v
 
 
 @verb("ping", mutating=False)
@@ -70,7 +103,7 @@ async def _status(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 @verb("stop", mutating=True)
 async def _stop(sup: "Supervisor", args: dict[str, Any]) -> Any:
-    fast = bool(args.get("fast", False))
+    fast = arg_bool(args, "fast")
     sup.request_stop("ops stop" + (" (fast)" if fast else ""), fast=fast)
     return {"stopping": True, "fast": fast}
 
@@ -145,7 +178,7 @@ def select_slots(sup: "Supervisor", args: dict[str, Any], *, allow_all: bool = F
             nodes = sorted({s.plan.node for s in sup.slots.values()})
             raise OpsArgError(f"no slot on node {node}; nodes with slots: {', '.join(map(str, nodes))}")
         return chosen
-    if allow_all or args.get("all"):
+    if allow_all or arg_bool(args, "all"):
         return list(sup.slots.values())
     raise OpsArgError("name the slots: --slot S or --node N")
 
@@ -191,6 +224,8 @@ async def _reload(sup: "Supervisor", args: dict[str, Any]) -> Any:
 @verb("operation", mutating=False)
 async def _operation(sup: "Supervisor", args: dict[str, Any]) -> Any:
     op_id = args.get("id")
+    if op_id is not None and not isinstance(op_id, str):
+        raise OpsArgError(f"argument 'id' = {op_id!r}: expected an operation id (text)")
     if not op_id:
         return {"operations": sup.operations.recent()}
     op = sup.operations.get(str(op_id))
@@ -213,10 +248,8 @@ async def _ratelimit_show(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 @verb("ratelimit_set", mutating=True)
 async def _ratelimit_set(sup: "Supervisor", args: dict[str, Any]) -> Any:
-    conc = arg_int(args, "concurrency", minimum=1)
-    rate = args.get("rate")
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
-        raise OpsArgError(f"argument 'rate' = {rate!r}: expected requests per second > 0")
+    conc = arg_int(args, "concurrency", minimum=1, maximum=1 << 20)
+    rate = arg_number(args, "rate", minimum=0.0, maximum=MAX_RATE, exclusive_min=True, unit=" requests/s")
     if conc is None and rate is None:
         raise OpsArgError("give a concurrency (e.g. 32) or a rate (e.g. 200/s)")
     if sup.limits.mode == "off":

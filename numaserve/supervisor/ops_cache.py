@@ -37,7 +37,7 @@ def _summary(acks: dict[str, Any]) -> dict[str, Any]:
 @verb("cache_purge", mutating=True)
 async def _cache_purge(sup: "Supervisor", args: dict[str, Any]) -> Any:
     prefix = args.get("prefix", "") or ""
-    if not isinstance(prefix, str) or (prefix and not prefix.startswith("/")):
+    if not isinstance(prefix, str) or (prefix and not prefix.startswith("/")) or len(prefix) > 4096:
         raise OpsArgError(f"prefix {prefix!r}: expected a path prefix starting with /")
     timeout = arg_float(args, "timeout", _ACK_TIMEOUT)
     acks = await sup.broadcast("cache_purge", {"prefix": prefix}, timeout=timeout)

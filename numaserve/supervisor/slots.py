@@ -103,6 +103,7 @@ class WorkerProc:
     started: float                      # monotonic
     external: bool = False              # --cmd worker: no control channel
     identity: bytes | None = None       # ZeroMQ routing id once Hello arrived
+    token: str | None = None            # per-spawn secret its Hello must carry (workerauth)
     hello: float | None = None
     ready: float | None = None
     last_beat: float | None = None

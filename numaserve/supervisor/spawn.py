@@ -23,6 +23,8 @@ from numaserve.framing import FramingConfig
 from numaserve.launch import build_launch_argv
 from numaserve.listeners import Listener
 from numaserve.placement import SlotPlan
+from numaserve.supervisor.fdbudget import restore_child_nofile
+from numaserve.supervisor.workerauth import TOKEN_FD_ENV, token_pipe
 from numaserve.worker.cache import CacheConfig
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
 from numaserve.worker.tls import TlsConfig, check_tls
@@ -186,8 +188,14 @@ def spawn(
     environ: Mapping[str, str] | None = None,
     all_gpus: Iterable[object] = (),
     node_cpus: Iterable[int] = (),
+    token: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], bool, dict[str, str]]:
-    """Start the slot's worker; returns (process, external?, variables numaserve set)."""
+    """Start the slot's worker; returns (process, external?, variables numaserve set).
+
+    ``token``: the per-spawn secret the worker proves itself with in Hello
+    (``numaserve.supervisor.workerauth``), handed over in an inherited pipe
+    whose fd number is in ``NUMASERVE_TOKEN_FD``.
+    """
     base = os.environ if environ is None else environ
     extra = numaserve_env(cfg, base, plan, generation, all_gpus)
     if cfg.server.cmd:
@@ -206,13 +214,22 @@ def spawn(
         ppid=os.getpid(),
     )
     env = worker_env(base, plan, generation, spec, extra)
-    popen = subprocess.Popen(
-        launch,
-        pass_fds=[lst.fd for lst in listeners],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        close_fds=True,
-        process_group=0,
-        cwd=cfg.server.app_dir or None,
-    )
+    token_fd = token_pipe(token) if token is not None and not external else -1
+    env.pop(TOKEN_FD_ENV, None)
+    if token_fd >= 0:
+        env[TOKEN_FD_ENV] = str(token_fd)
+    try:
+        popen = subprocess.Popen(
+            launch,
+            pass_fds=[lst.fd for lst in listeners] + ([token_fd] if token_fd >= 0 else []),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            process_group=0,
+            cwd=cfg.server.app_dir or None,
+        )
+    finally:
+        if token_fd >= 0:
+            os.close(token_fd)  # the child has its own copy now (or there is no child)
+    restore_child_nofile(popen.pid)
     return popen, external, extra

@@ -40,7 +40,11 @@ __all__ = [
 
 
 def worker_identity(slot: int, generation: int, pid: int) -> bytes:
-    """ROUTER identity of a worker: ``b"slot:generation:pid"``."""
+    """ROUTER identity of a worker: ``b"slot:generation:pid"``.
+
+    Only a name: the supervisor trusts a worker for its spawn token and its
+    kernel-reported pid (``numaserve.supervisor.workerauth``), not for this.
+    """
     return f"{slot}:{generation}:{pid}".encode()
 
 

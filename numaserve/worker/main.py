@@ -28,7 +28,9 @@ import structlog.tracebacks
 from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
 from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
 from numaserve.worker.cache import CacheMiddleware, ResponseCache
+from numaserve.supervisor.workerauth import take_token
 from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
+from numaserve.worker.fdwatch import FdWatch
 from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
 from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
 from numaserve.worker.sniff import frame_stats
@@ -90,9 +92,11 @@ def check_placement(spec: WorkerSpec) -> Placement:
 class Worker:
     """One worker process's async lifecycle (see module docstring)."""
 
-    def __init__(self, spec: WorkerSpec, log: Any) -> None:
+    def __init__(self, spec: WorkerSpec, log: Any, token: str = "") -> None:
         self.spec = spec
         self.log = log
+        self.token = token  # the spawn secret Hello proves us with (numaserve.supervisor.workerauth)
+        self.fdwatch = FdWatch(log)
         self.pid = os.getpid()
         self.ppid = os.getppid()
         slots = max(1, round(LATENCY_WINDOW_S / max(spec.stats_interval, 0.01)))
@@ -228,8 +232,10 @@ class Worker:
             await asyncio.sleep(spec.stats_interval)
             server = self.server
             conns = server.connection_count if server is not None else 0
+            self.fdwatch.sample(conns)
             snap = self.stats.snapshot(connections=conns)
             extra = snap["extra"]
+            extra.update(self.fdwatch.extra())
             if self.dispatcher is not None:
                 extra["control_bad_frames"] = self.dispatcher.bad_frames
             if self.channel is not None:
@@ -284,6 +290,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop,
                                 self.spec.graceful_timeout, "stopped: SIGTERM")
+        loop.set_exception_handler(self.fdwatch.exception_handler)  # accept() at EMFILE is reported here
         try:
             code, reason = await self._run()
         except Exception as e:  # noqa: BLE001
@@ -313,7 +320,7 @@ class Worker:
         self.dispatcher = CommandDispatcher(spec.slot, spec.generation, self, self.channel.post,
                                             log_debug=self.log.debug)
         self._post(Hello(slot=spec.slot, generation=spec.generation, pid=self.pid,
-                         placement=placement))
+                         placement=placement, token=self.token))
         self._spawn(self._recv_loop())
         self._spawn(self._heartbeat_loop())
 
@@ -442,6 +449,7 @@ def _setup_logging(spec: WorkerSpec) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """Run the worker described by ``NUMASERVE_WORKER_SPEC``; return the exit status."""
     del argv
+    token = take_token()  # first: the pipe is closed and the variable gone before any app code runs
     try:
         spec = spec_from_env()
     except Exception as e:  # noqa: BLE001 - no endpoint to say Goodbye to: stderr only
@@ -457,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         factory = None
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(Worker(spec, log).run())
+            return runner.run(Worker(spec, log, token).run())
     except BaseException:  # noqa: BLE001 - last resort: structured, then status 1
         log.exception("worker_crashed")
         return EXIT_ERROR

@@ -46,7 +46,8 @@ class Running:
     """One supervisor started by a test; always cleaned up (no stray workers)."""
 
     def __init__(self, args: list[str], *, config: str = FAST_CONFIG, env: dict[str, str] | None = None,
-                 expect_ready: bool = True, timeout: float = 60.0, tty_stderr: bool = False) -> None:
+                 expect_ready: bool = True, timeout: float = 60.0, tty_stderr: bool = False,
+                 nofile: int | None = None) -> None:
         self.rt = Path(tempfile.mkdtemp(prefix="ns-rt-"))
         self.logdir = Path(tempfile.mkdtemp(prefix="ns-log-"))
         self.config = self.logdir / "numaserve.toml"
@@ -56,9 +57,17 @@ class Running:
         self.stderr = open(self.stderr_path, "wb")
         e = dict(os.environ)
         e.pop("NUMASERVE_CONFIG", None)
-        e.update(env or {})  # a test's env (often a copy of os.environ) must not drop the test apps
-        e["PYTHONPATH"] = os.pathsep.join([str(APPS), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        e.update(env or {})
+        # the test apps stay importable even when ``env`` brings its own PYTHONPATH
+        path = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p]
+        e["PYTHONPATH"] = os.pathsep.join([str(APPS)] + [p for p in path if p != str(APPS)])
         self.argv = numaserve_argv("start", "--config", str(self.config), "--runtime-dir", str(self.rt), *args)
+        limit = None
+        if nofile is not None:  # `ulimit -n N` for the supervisor (soft and hard, as the shell does)
+            import resource
+
+            def limit() -> None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         err: Any = self.stderr
         self._pty_copier = None
         if tty_stderr:  # stderr on a terminal, as for an operator; what it shows goes to the file
@@ -69,7 +78,7 @@ class Running:
             err = slave
             self._pty_copier = threading.Thread(target=_copy_pty, args=(master, self.stderr), daemon=True)
         self.proc = subprocess.Popen(self.argv, stdout=self.stdout, stderr=err, env=e,
-                                     stdin=subprocess.DEVNULL, cwd=str(REPO))
+                                     stdin=subprocess.DEVNULL, cwd=str(REPO), preexec_fn=limit)
         if tty_stderr:
             os.close(slave)
             self._pty_copier.start()

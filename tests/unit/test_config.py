@@ -256,3 +256,44 @@ def test_example_explains_bind_default_and_auto_rule() -> None:
     text = EXAMPLE.read_text()
     assert "preferred" in text and "OOM" in text and "remote" in text
     assert "physical cores" in text and "GPUs" in text
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[server]\ngraceful_timeout = nan\n", "server.graceful_timeout = nan: expected a finite number"),
+    ("[ops]\nrate_limit = inf\n", "ops.rate_limit = inf: expected a finite number"),
+    ("[supervisor]\nbackoff_jitter = -inf\n", "supervisor.backoff_jitter = -inf: expected a finite number"),
+    ("[admin]\nidle_timeout = nan\n", "admin.idle_timeout = nan: expected a finite number"),
+])
+def test_nan_and_infinities_are_refused_with_the_key(tmp_path: Path, text: str, fragment: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert fragment in str(e.value) and str(p) in str(e.value)
+    assert e.value.exit_code == 2
+
+
+def test_every_float_option_is_checked_for_finiteness(tmp_path: Path) -> None:
+    """A generic check over the schema: no float field can slip through as NaN."""
+    import msgspec
+
+    from numaserve.config import SECTIONS
+
+    for section, struct in SECTIONS.items():
+        for f in msgspec.structs.fields(struct):
+            if f.type is not float:
+                continue
+            with pytest.raises(ConfigError, match=rf"{section}\.{f.name} = nan: expected a finite number"):
+                load_config(None, {section: {f.name: float("nan")}}, environ={}, use_default_path=False)
+
+
+def test_finite_check_names_the_environment_variable() -> None:
+    with pytest.raises(ConfigError, match="environment NUMASERVE_SERVER_READ_TIMEOUT: server.read_timeout = inf"):
+        load_config(None, environ={"NUMASERVE_SERVER_READ_TIMEOUT": "inf"}, use_default_path=False)
+
+
+def test_tcp_endpoint_must_parse(tmp_path: Path) -> None:
+    p = write(tmp_path, '[ops]\ntcp_endpoint = "tcp://nohost"\ncurve_secret_key = "a"\ncurve_authorized_keys = "b"\n')
+    with pytest.raises(ConfigError, match="ops.tcp_endpoint"):
+        load_config(p, environ={})
+    p = write(tmp_path, '[ops]\ntcp_endpoint = "tcp://*:7071"\ncurve_secret_key = "a"\ncurve_authorized_keys = "b"\n')
+    assert load_config(p, environ={}).ops.tcp_endpoint == "tcp://*:7071"

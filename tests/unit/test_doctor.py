@@ -272,3 +272,23 @@ def test_cli_on_fixture_root_with_real_discovery(env, capsys) -> None:
     checks = {x["id"]: x for x in json.loads(out)["checks"]}
     assert code == 1 and checks["somaxconn"]["verdict"] == "fail" and checks["thp"]["verdict"] == "warn"
     assert checks["irqbalance"]["verdict"] == "warn" and "4242" in checks["irqbalance"]["summary"]
+
+
+def test_nofile_against_backlog_connections_and_the_unit() -> None:
+    from numaserve.config import ServerConfig
+    from numaserve.doctor import parse_limit_nofile
+
+    big = Config(server=ServerConfig(backlog=65535, max_connections=100000))
+    c = run(config=big, readers=Readers(rlimit_nofile=lambda: (65536, 1 << 20)))["nofile"]
+    assert c.verdict == "warn" and "165599" in c.summary and "LimitNOFILE=165599" in c.fix
+    assert "server.backlog 65535" in c.detail and "server.max_connections" in c.detail
+    unit = Readers(rlimit_nofile=lambda: (1 << 20, 1 << 20),
+                   unit_limit_nofile=lambda: ("/etc/systemd/system/numaserve.service", 1024))
+    c = run(readers=unit)["nofile"]
+    assert c.verdict == "warn" and "LimitNOFILE=1024 in /etc/systemd/system/numaserve.service" in c.summary
+    ok = Readers(rlimit_nofile=lambda: (1 << 20, 1 << 20), unit_limit_nofile=lambda: ("u", 65536))
+    c = run(readers=ok)["nofile"]
+    assert c.verdict == "ok" and "LimitNOFILE=65536 in u" in c.detail
+    assert parse_limit_nofile("[Service]\nLimitNOFILE=1024:524288\n") == 1024
+    assert parse_limit_nofile("LimitNOFILE=65536\nLimitNOFILE=infinity\n") == resource.RLIM_INFINITY
+    assert parse_limit_nofile("# LimitNOFILE=5\n") is None

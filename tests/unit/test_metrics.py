@@ -801,3 +801,17 @@ def test_worker_exits_by_kind_are_exported() -> None:
     assert value(text, "numaserve_worker_exits_total", slot="0", kind="external") == 3
     assert value(text, "numaserve_worker_exits_total", slot="0", kind="crash") == 1
     assert value(text, "numaserve_worker_exits_total", slot="0", kind="hang") == 0
+
+
+def test_control_plane_metrics() -> None:
+    def snap() -> dict[str, Any]:
+        s = full_snapshot()
+        s["supervisor"]["control_plane"] = {"fds": {"open": 41, "limit": 256, "exhausted": 2},
+                                            "ops_rate_limited": 7}
+        return s
+
+    text = scrape(NumaserveCollector(snap, cpu_node=cpu_node()))
+    assert value(text, "numaserve_supervisor_open_fds") == 41
+    assert value(text, "numaserve_supervisor_fd_limit") == 256
+    assert value(text, "numaserve_supervisor_fd_exhausted_total") == 2
+    assert value(text, "numaserve_ops_rate_limited_total") == 7
