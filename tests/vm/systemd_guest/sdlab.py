@@ -151,6 +151,7 @@ class Outcome:
     status: int | None = None
     error: str | None = None
     pid: int | None = None
+    shed: bool = False          # admission's 503 + Retry-After "overloaded": an answer, not a lost request
 
 
 @dataclass
@@ -184,8 +185,11 @@ class Load:
                 body = r.read()
                 o.status = r.status
                 try:
-                    o.pid = json.loads(body).get("pid")
-                except ValueError:
+                    doc = json.loads(body)
+                    o.pid = doc.get("pid")
+                    o.shed = (r.status == 503 and r.getheader("retry-after") is not None
+                              and (doc.get("error") or {}).get("type") == "overloaded")
+                except (ValueError, AttributeError):
                     pass
                 if (r.getheader("connection") or "").lower() == "close":
                     conn.close()
@@ -214,7 +218,13 @@ class Load:
 
     def failed(self) -> list[Outcome]:
         with self._lock:
-            return [o for o in self.outcomes if o.status != 200]
+            return [o for o in self.outcomes if o.status != 200 and not o.shed]
+
+    def shed(self) -> list[Outcome]:
+        """Refused by admission (the CPU was short: under TCG a booting worker starves the
+        node's vCPUs), with Retry-After: the client was told to come back, nothing was lost."""
+        with self._lock:
+            return [o for o in self.outcomes if o.shed]
 
 
 def fire(paths: list[str], *, timeout: float = 180) -> tuple[list[Outcome], list[threading.Thread]]:

@@ -281,6 +281,8 @@ def test_reload_under_load_is_what_the_unit_shows() -> None:
         assert s["state"] == "ready" and s["generation"] == before[slot]["generation"] + 1, (before, after)
     # nothing lost: no failed request, the in-flight ones finished, both generations served
     assert load.failed() == [], load.failed()[:10]
+    shed = load.shed()
+    assert len(shed) <= 0.05 * len(load.outcomes), f"{len(shed)} of {len(load.outcomes)} shed by admission"
     assert [o.status for o in slow] == [200] * 4, slow
     pids = {o.pid for o in load.ok()}
     assert {s["pid"] for s in before.values()} & pids and {s["pid"] for s in after.values()} & pids, pids
