@@ -29,8 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Protocol, Sequence
 
-import msgspec
-
+from numaserve.config import IrqSettings
 from numaserve.cpulist import ListSyntaxError, format_list, format_mask, parse_list, parse_mask
 from numaserve.errors import NumaserveError, UsageError
 from numaserve.topology.model import Irq, Nic, Topology
@@ -59,26 +58,6 @@ __all__ = [
 
 DEFAULT_STATE_DIR = "/var/lib/numaserve"
 STATE_VERSION = 1
-
-
-class IrqSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``[irq]`` config section.
-
-    ``policy``: "shared" spreads queue IRQs over the NIC node's usable CPUs;
-    "reserved" only over the CPUs ``placement.reserve_irq_cpus`` keeps away
-    from workers.  ``interfaces`` empty = every physical NIC with a known
-    node.  ``irqbalance``: "refuse" to apply while irqbalance runs (it would
-    overwrite us within ~10 s) or just "warn".  ``state_file`` "" =
-    ``<supervisor.runtime_dir or /var/lib/numaserve>/irq-saved.json``.
-    """
-
-    apply_at_start: bool = False
-    policy: Literal["shared", "reserved"] = "shared"
-    interfaces: list[str] = msgspec.field(default_factory=list)
-    irqbalance: Literal["refuse", "warn"] = "refuse"
-    rps: bool = False
-    xps: bool = False
-    state_file: str = ""
 
 
 def default_state_file(settings: IrqSettings | None = None, runtime_dir: str = "") -> str:

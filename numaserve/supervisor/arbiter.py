@@ -1339,26 +1339,15 @@ class Supervisor:
 
     def _start_reload(self, args: dict[str, Any]) -> Operation:
         from numaserve.config import load_config
-        from numaserve.placement import make_plan
         from numaserve.supervisor.ops import arg_timeout
-        from numaserve.topology import discover
+        from numaserve.supervisor.prepare import prepare
 
         timeout_arg = arg_timeout(args, "timeout", None)
         # a revoked key must stop working even when the rest of the reload is refused
         self.reload_curve_keys()
         try:
             new_cfg = load_config(self.config_path, self.overrides)
-            from numaserve.allocator import check_allocator
-            from numaserve.worker.tls import check_tls
-
-            check_tls(new_cfg.tls)
-            check_allocator(new_cfg.allocator)
-            if new_cfg.server.cmd:
-                from numaserve.supervisor.spawn import check_cmd_template
-
-                check_cmd_template(new_cfg.server.cmd, allow_host_port=new_cfg.cmd.allow_host_port)
-            topo = discover(new_cfg.placement.sysfs_root, declared=new_cfg.placement.topology_file or None)
-            new_plan = make_plan(topo, new_cfg.placement)
+            topo, new_plan = prepare(new_cfg)
         except NumaserveError as e:
             raise NumaserveError(f"reload refused, nothing changed: {e}") from None
         problems = reload_blockers(self.cfg, self.plan, new_cfg, new_plan)

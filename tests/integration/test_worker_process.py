@@ -39,7 +39,7 @@ from numaserve.control.messages import (
     encode,
 )
 from numaserve.worker.main import EXIT_APP_LOAD_FAILED
-from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+from numaserve.worker.spec import SPEC_ENV, WorkerSpec, flat_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -107,7 +107,7 @@ class FakeSupervisor:
             graceful_timeout=5.0,
         )
         base.update(overrides)
-        return WorkerSpec(**base)
+        return flat_spec(**base)
 
     def spawn(self, **overrides: Any) -> subprocess.Popen[bytes]:
         spec = self.spec(**overrides)

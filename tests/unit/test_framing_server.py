@@ -15,7 +15,7 @@ from numaserve.client import AsyncFrameClient, FrameClient, FrameClientError, Re
 from numaserve.framing import HEADER, FramingConfig, encode_frame, encode_request
 from numaserve.worker.middleware import BodyLimitMiddleware, MetricsMiddleware
 from numaserve.worker.serve import WorkerServer, build_config
-from numaserve.worker.spec import WorkerSpec
+from numaserve.worker.spec import WorkerSpec, flat_spec
 from numaserve.worker.stats import WorkerStats
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -57,7 +57,7 @@ def make_spec(**kw: Any) -> WorkerSpec:
                                 memory_nodes=[0], fd=-1, control="ipc:///nonexistent", read_timeout=5.0,
                                 max_body_bytes=1 << 20)
     base.update(kw)
-    return WorkerSpec(**base)
+    return flat_spec(**base)
 
 
 @contextlib.asynccontextmanager

@@ -13,7 +13,7 @@ import pytest
 
 from numaserve.worker import main as wmain
 from numaserve.worker.main import EXIT_APP_LOAD_FAILED, EXIT_ERROR, EXIT_OK, Worker, check_placement
-from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+from numaserve.worker.spec import SPEC_ENV, WorkerSpec, flat_spec
 
 
 def make_spec(**kw: Any) -> WorkerSpec:
@@ -21,7 +21,7 @@ def make_spec(**kw: Any) -> WorkerSpec:
                                 mempolicy="local", memory_nodes=[0], fd=-1,
                                 control="ipc:///nonexistent", graceful_timeout=3.0)
     base.update(kw)
-    return WorkerSpec(**base)
+    return flat_spec(**base)
 
 
 class NullLog:
