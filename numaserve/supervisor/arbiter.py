@@ -23,7 +23,7 @@ import os
 import signal
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
 import structlog
 import zmq
@@ -139,7 +139,7 @@ class Supervisor:
             p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
         }
         self.limits = LimitsManager(self)
-        self.leakwatch = LeakWatch(self)
+        self.leakwatch = LeakWatch(self, self.operations)
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
@@ -197,6 +197,7 @@ class Supervisor:
         self.last_status_line = ""
         self._last_stats_pub = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
+        self._signal_requests: set[asyncio.Task[Any]] = set()   # SIGHUP's ops requests in flight
 
     # ------------------------------------------------------------------ start
 
@@ -403,7 +404,7 @@ class Supervisor:
         now = time.monotonic()
         self._ran = True
         for slot in self.slots.values():
-            self._start_worker(slot, now)
+            self.start_worker(slot, now)
         try:
             while True:
                 self.heartbeat.beat()
@@ -428,7 +429,7 @@ class Supervisor:
                     self.leakwatch.tick(now)
                     if self.fdwatch is not None:
                         self.fdwatch.tick()
-                self._steer()
+                self.steer()
                 self._rescue()
                 self._check_shared_port(now)
                 self._notify(now)
@@ -439,7 +440,7 @@ class Supervisor:
                 except asyncio.TimeoutError:
                     pass
         finally:
-            extra = list(self._probes.values()) + ([self._discovery] if self._discovery else []) + \
+            extra = list(self._probes.values()) + list(self._signal_requests) + ([self._discovery] if self._discovery else []) + \
                 ([self._stop_task] if self._stop_task else [])
             for t in self._tasks + extra:
                 t.cancel()
@@ -499,7 +500,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- workers
 
-    def _spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
+    def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
         """Start the slot's next generation (raises OSError/NumaserveError)."""
         slot.generation += 1
         fds = self.listeners.by_slot[slot.plan.slot]
@@ -532,9 +533,9 @@ class Supervisor:
         except KeyError:
             return ()
 
-    def _start_worker(self, slot: S.SlotState, now: float) -> None:
+    def start_worker(self, slot: S.SlotState, now: float) -> None:
         try:
-            slot.worker = self._spawn_generation(slot, now)
+            slot.worker = self.spawn_generation(slot, now)
         except (OSError, NumaserveError) as e:
             log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
             if fdbudget.is_fd_exhaustion(e) and self.fdwatch is not None:
@@ -660,11 +661,11 @@ class Supervisor:
             if slot.worker is not None or slot.drained:
                 continue
             if slot.state == S.BACKOFF and now >= slot.next_start:
-                self._start_worker(slot, now)
+                self.start_worker(slot, now)
             elif slot.state == S.FAILED and slot.next_retry is not None and now >= slot.next_retry:
                 log.info("slot_retry", slot=slot.plan.slot, after=slot.failed_reason)
                 slot.retrying = True
-                self._start_worker(slot, now)
+                self.start_worker(slot, now)
 
     def _readiness(self, now: float) -> None:
         slots = list(self.slots.values())
@@ -737,13 +738,13 @@ class Supervisor:
         w.ready = now
         w.ready_evt.set()
         if w is slot.worker and not self.stopping and w.stop_sent is None:
-            self._mark_ready(slot, now)
+            self.mark_ready(slot, now)
         elif w is slot.incoming:
             log.info("worker_ready", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
                      boot_s=round(now - w.started, 3), role="incoming",
                      **({"probe": w.probe_note} if w.external else {}))
 
-    def _mark_ready(self, slot: S.SlotState, now: float) -> None:
+    def mark_ready(self, slot: S.SlotState, now: float) -> None:
         slot.state = S.READY
         slot.ever_ready = True
         slot.failed_reason = None
@@ -772,13 +773,13 @@ class Supervisor:
                 if w.abort_sent is not None:
                     if now - w.abort_sent >= sup.abort_grace:
                         log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not exit after SIGABRT")
-                        self._kill(w, now)
+                        self.kill(w, now)
                     continue
                 if w.stop_sent is not None:
                     if now - w.stop_sent >= w.stop_deadline + sup.stop_timeout:
                         log.warning("kill", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
                                     reason=f"did not stop within {w.stop_deadline:g}s")
-                        self._kill(w, now)
+                        self.kill(w, now)
                         self.forced_kills = self.forced_kills or self.stopping
                     continue
                 if self.stopping or w in slot.retiring:
@@ -826,7 +827,7 @@ class Supervisor:
             w.unresponsive_since = None
             w.stopped_outside = False
 
-    def _kill(self, w: S.WorkerProc, now: float) -> None:
+    def kill(self, w: S.WorkerProc, now: float) -> None:
         self._signal(w, signal.SIGKILL)
         w.kill_sent = now
 
@@ -931,7 +932,7 @@ class Supervisor:
                 log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
             self.wake.set()
             if self.stopping and w.stop_sent is None:
-                self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
+                self.send_stop(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
                 return
             self.limits.on_hello(slot, w)
             for name, args in self.sticky.items():
@@ -1125,7 +1126,7 @@ class Supervisor:
             for slot in self.slots.values():
                 for w in slot.workers():
                     if w.popen.poll() is None and w.kill_sent is None:
-                        self._kill(w, now)
+                        self.kill(w, now)
                         self.forced_kills = True
             return
         if first:
@@ -1159,7 +1160,7 @@ class Supervisor:
                 slot.state = S.STOPPING
             for w in slot.workers():
                 if w.stop_sent is None and w.kill_sent is None:
-                    self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
+                    self.send_stop(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
         # Each worker closes its copy of its listener as it stops accepting; with
         # ours closed too the socket goes away then, and the kernel refuses new
         # connections (a balancer without health checks retries a refused
@@ -1173,7 +1174,7 @@ class Supervisor:
                    for slot in self.slots.values() if slot.worker is not None and slot.worker.popen.poll() is None
                    for lst in self.listeners.by_slot.get(slot.plan.slot, []))
 
-    def _send_stop_to(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
+    def send_stop(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
         """Ask one worker to finish in-flight work within ``deadline`` s and exit.
 
         ``drain``: Drain (it stops accepting at once) rather than Stop; both end
@@ -1189,6 +1190,10 @@ class Supervisor:
         elif w.external or w.hello is None:
             # no control channel (yet): an external command, or a worker still booting
             self._signal(w, signal.SIGTERM)
+
+    def queued(self, slots: Iterable[int]) -> int:
+        """Connections waiting in these slots' listeners (SlotControl)."""
+        return sum(accept_queue_depth(lst.sock) or 0 for n in slots for lst in self.listeners.by_slot.get(n, []))
 
     def _stop_progress(self, now: float) -> None:
         for slot in self.slots.values():
@@ -1215,7 +1220,7 @@ class Supervisor:
         out["locality_share"] = round(local / (local + remote), 4) if local + remote else None
         return out
 
-    def _steer(self) -> None:
+    def steer(self) -> None:
         # during the lb grace the slots still serve: keep steering off dead ones
         if self.steering is not None and (not self.stopping or self.stop_phase == "lb_grace"):
             # while nothing serves yet, new connections wait on slots whose
@@ -1273,7 +1278,7 @@ class Supervisor:
         st.paused = None
         st._applied = None
         log.info("steering_resumed", positions=[{str(k): v for k, v in sorted(m.items())} for m in maps])
-        self._steer()
+        self.steer()
 
     def stranded_slots(self) -> list[int]:
         """Slots whose queued connections nobody will accept soon: no worker
@@ -1302,16 +1307,15 @@ class Supervisor:
     # ----------------------------------------------------------------- reload
 
     def _on_hup(self) -> None:
-        who = {"signal": "SIGHUP"}
-        try:
-            op = self.start_reload({"trigger": "SIGHUP"})
-        except NumaserveError as e:  # logged by start_reload
-            self.audit.record(who=who, channel="signal", verb="reload", args={}, op_id="", ok=False, result=str(e))
-            return
-        log.info("reload_requested", signal="SIGHUP", op=op.id)
-        op.on_finish.append(lambda o: self.audit.record(
-            who=who, channel="signal", verb="reload", args={}, op_id=o.id, ok=o.state == "succeeded",
-            result=f"operation {o.id} {o.state}: {o.result}"))
+        """SIGHUP is a ``reload`` ops request (trigger "sighup"): same path, same audit line as ``numaserve reload``."""
+        from numaserve.supervisor.ops import handle_ops_request
+
+        req = m.OpsRequest(verb="reload", args={"trigger": "sighup"}, id=f"sighup-{uuid.uuid4().hex[:8]}")
+        log.info("reload_requested", signal="SIGHUP", request=req.id)
+        task = asyncio.get_running_loop().create_task(
+            handle_ops_request(self, req, channel="signal", who={"signal": "SIGHUP"}), name="sighup")
+        self._signal_requests.add(task)
+        task.add_done_callback(self._signal_requests.discard)
 
     def start_reload(self, args: dict[str, Any]) -> Operation:
         """Re-read the config (same file, same flags), check it changes nothing that
