@@ -65,8 +65,12 @@ from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-e
     Lifecycle,
 )
 from numaserve.supervisor.limits import LimitsManager
-from numaserve.supervisor.notify import Notifier
+from numaserve.supervisor.notify import Notifier, status_line
 from numaserve.supervisor.operations import Operation, Operations
+from numaserve.supervisor import irqstart
+from numaserve.supervisor.channel import WorkerChannel
+from numaserve.supervisor.events import EventStream
+from numaserve.supervisor.reload import load_for_reload
 from numaserve.supervisor.rescue import Rescuer
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
@@ -125,7 +129,6 @@ class Supervisor:
         self.irq_status: dict[str, Any] | None = None
         self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
-        self.ctl: zmq.asyncio.Socket | None = None
         self.ops: zmq.asyncio.Socket | None = None
         self.ops_ro: zmq.asyncio.Socket | None = None
         self.ops_tcp: zmq.asyncio.Socket | None = None
@@ -140,7 +143,8 @@ class Supervisor:
         self.audit = AuditLog(
             __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
         )
-        self.pub: zmq.asyncio.Socket | None = None
+        self.events = EventStream()
+        self._event_sink = self.events.sink
         self.state = "starting"
         self.stop_phase: str | None = None        # lb_grace -> accept_queue -> draining
         self.lb_grace_until: float | None = None
@@ -149,10 +153,8 @@ class Supervisor:
         self.stop_deadline: float | None = None
         self.fast_stop = False
         self.bad_messages = 0
-        self._acks: dict[tuple[str, int, int], asyncio.Future[m.Ack]] = {}
-        # settings every worker must have (cache version, limits ...): replayed to
-        # each new worker right after its Hello, so it starts at the current epoch
-        self.sticky: dict[str, dict[str, Any]] = {}
+        self.channel = WorkerChannel(self.slots)
+        self.sticky = self.channel.sticky          # OpsTarget: the cache epoch lives here
         self.notifier = Notifier()
         from numaserve.log import add_event_sink
 
@@ -161,7 +163,6 @@ class Supervisor:
         self.admin: AdminHandle | None = None
         self.admin_sock: Any = None               # bound in open(), served from run()
         self.last_status_line = ""
-        self._last_stats_pub = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
         self._signal_requests: set[asyncio.Task[Any]] = set()   # SIGHUP's ops requests in flight
 
@@ -197,10 +198,10 @@ class Supervisor:
         self.ctx = zmq.asyncio.Context()
         gid = self.runtime.share_with_group(self.cfg.ops.readonly_group) if self.cfg.ops.readonly_group else None
         with tight_umask():
-            self.ctl = self._bind(zmq.ROUTER, CONTROL_SOCKET)
+            self.channel.sock = self._bind(zmq.ROUTER, CONTROL_SOCKET)
             self.ops = self._bind(zmq.ROUTER, OPS_SOCKET)
             self.ops_ro = self._bind(zmq.ROUTER, OPS_RO_BACKEND)
-            self.pub = self._bind(zmq.PUB, EVENTS_BACKEND)
+            self.events.pub = self._bind(zmq.PUB, EVENTS_BACKEND)
             ro_sock = bind_unix(str(self.runtime.path / OPS_RO_SOCKET))
             events_sock = bind_unix(str(self.runtime.path / EVENTS_SOCKET))
         if gid is not None:
@@ -224,54 +225,12 @@ class Supervisor:
         )
 
     def _apply_irqs(self) -> None:
-        """``[irq] apply_at_start``: steer NIC IRQs onto their nodes' CPUs; restored at exit.
-
-        A refusal (irqbalance running in refuse mode) or per-IRQ failures do not
-        stop serving: they are logged with the fix and shown in status.
-        """
-        from numaserve.irq import IrqbalanceConflict, apply_plan, default_state_file, plan_irqs
-
-        if not self.cfg.irq.apply_at_start or self.topology is None:
-            return
-        settings = self.cfg.irq
-        state_file = default_state_file(settings)
-        try:
-            plan = plan_irqs(self.topology, settings, reserved=getattr(self.plan, "irq_cpus", None) or None)
-            result = apply_plan(plan, root=self.cfg.placement.sysfs_root, state_file=state_file)
-        except IrqbalanceConflict as e:
-            self.irq_status = {"applied": False, "reason": str(e)}
-            log.error("irq_steering_refused", reason=str(e))
-            return
-        except (OSError, NumaserveError) as e:
-            self.irq_status = {"applied": False, "reason": str(e)}
-            log.error("irq_steering_failed", reason=str(e))
-            return
-        self.irq_state_file = state_file
-        failed = [r.to_json() for r in result.failed]
-        self.irq_status = {
-            "applied": True,
-            "irqs": len(result.irqs),
-            "failed": failed,
-            "warnings": list(result.warnings) + list(plan.warnings),
-            "state_file": state_file,
-            "placement": {str(e.irq): list(e.target) for e in plan.entries},
-        }
-        (log.warning if failed else log.info)(
-            "irq_steering_applied", irqs=len(result.irqs), failed=len(failed), state_file=state_file
-        )
+        self.irq_status, self.irq_state_file = irqstart.apply_at_start(self.cfg, self.topology, self.plan)
 
     def _restore_irqs(self) -> None:
-        from numaserve.irq import restore
-
-        if self.irq_state_file is None:
-            return
-        try:
-            res = restore(root=self.cfg.placement.sysfs_root, state_file=self.irq_state_file)
-            log.info("irq_steering_restored", irqs=len(res.irqs), failed=len(res.failed))
-        except (OSError, NumaserveError) as e:
-            log.error("irq_restore_failed", reason=str(e), fix="numaserve irq restore --state-file "
-                      + self.irq_state_file)
-        self.irq_state_file = None
+        if self.irq_state_file is not None:
+            irqstart.restore_at_exit(self.cfg, self.irq_state_file)
+            self.irq_state_file = None
 
     def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
         assert self.ctx is not None
@@ -444,7 +403,7 @@ class Supervisor:
         self.doors = []
         if self.fdwatch is not None:
             self.fdwatch.close()
-        for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
+        for sock in (self.channel.sock, self.ops, self.ops_ro, self.ops_tcp, self.events.pub):
             if sock is not None:
                 sock.close(0)
         if self.authenticator is not None:
@@ -586,8 +545,7 @@ class Supervisor:
     # ---------------------------------------------------------------- control
 
     async def _control_loop(self) -> None:
-        assert self.ctl is not None
-        await cp.serve_control(self, self.ctl)
+        await self.channel.serve(self)
 
     def count_bad(self, channel: str, why: str) -> None:
         """A malformed, unknown or refused message: counted (status: bad_messages) and dropped."""
@@ -649,9 +607,7 @@ class Supervisor:
                 self.send_stop(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
                 return
             self.limits.on_hello(slot, w)
-            for name, args in self.sticky.items():
-                cmd = m.Command(id=f"sticky-{name}-{uuid.uuid4().hex[:6]}", name=name, args=args)
-                asyncio.get_running_loop().create_task(self._send(w, cmd))
+            self.channel.replay_sticky(w)
             return
         if w.identity is None or identity != w.identity:
             self._reject(slot, f"{type(msg).__name__} before hello or from another identity", peer)
@@ -688,106 +644,25 @@ class Supervisor:
             self.wake.set()
         elif isinstance(msg, m.Ack):
             log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
-            fut = self._acks.pop((msg.ref, msg.slot, msg.generation), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-
-    async def _send(self, w: S.WorkerProc, msg: m.Msg) -> bool:
-        if w.identity is None or self.ctl is None:
-            return False
-        try:
-            await self.ctl.send_multipart([w.identity, m.encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
+            self.channel.resolve(msg)
 
     async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]:
-        """Send one named command to one worker and wait for its Ack."""
-        slot = next(s for s in self.slots.values() if any(x is w for x in s.workers()))
-        cid = uuid.uuid4().hex[:12]
-        fut: asyncio.Future[m.Ack] = asyncio.get_running_loop().create_future()
-        self._acks[(cid, slot.plan.slot, w.generation)] = fut
-        await self._send(w, m.Command(id=cid, name=name, args=args))
-        try:
-            ack = await asyncio.wait_for(fut, timeout)
-            return {"ok": ack.ok, "detail": ack.detail}
-        except asyncio.TimeoutError:
-            return {"ok": False, "detail": f"no ack within {timeout:g}s"}
-        finally:
-            self._acks.pop((cid, slot.plan.slot, w.generation), None)
+        return await self.channel.broadcast_one(w, name, args, timeout=timeout)
 
     def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
-        """Fire-and-forget named command to one worker (its Ack is logged)."""
-        if w.identity is None or w.external or w.popen.poll() is not None:
-            return
-        cmd = m.Command(id=f"{name}-{uuid.uuid4().hex[:8]}", name=name, args=args)
-        asyncio.get_running_loop().create_task(self._send(w, cmd))
+        self.channel.send_command(w, name, args)
 
     async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
                         sticky: bool = False) -> dict[str, Any]:
-        """Send ``Command(name, args)`` to every live worker and wait for each Ack.
-
-        ``sticky``: remember it so workers started later get it too (settings
-        with an epoch). Returns per slot: pid, generation, ok, detail; a worker
-        that does not answer within ``timeout`` is reported, not waited for.
-        """
-        if sticky:
-            self.sticky[name] = dict(args)
-        cid = uuid.uuid4().hex[:12]
-        loop = asyncio.get_running_loop()
-        waits: list[tuple[S.SlotState, S.WorkerProc, asyncio.Future[m.Ack]]] = []
-        for slot in self.slots.values():
-            for w in (slot.worker, slot.incoming):
-                if w is None or w.identity is None or w.external or w.popen.poll() is not None:
-                    continue
-                fut: asyncio.Future[m.Ack] = loop.create_future()
-                self._acks[(cid, slot.plan.slot, w.generation)] = fut
-                await self._send(w, m.Command(id=cid, name=name, args=args))
-                waits.append((slot, w, fut))
-        results: dict[str, Any] = {}
-        if waits:
-            await asyncio.wait([f for _, _, f in waits], timeout=timeout)
-        for slot, w, fut in waits:
-            self._acks.pop((cid, slot.plan.slot, w.generation), None)
-            key = str(slot.plan.slot) if w is slot.worker else f"{slot.plan.slot}/incoming"
-            if fut.done():
-                ack = fut.result()
-                results[key] = {"pid": w.pid, "generation": w.generation, "ok": ack.ok, "detail": ack.detail}
-            else:
-                fut.cancel()
-                results[key] = {"pid": w.pid, "generation": w.generation, "ok": False,
-                                "detail": f"no ack within {timeout:g}s"}
-        return results
+        return await self.channel.broadcast(name, args, timeout=timeout, sticky=sticky)
 
     def publish(self, event: str, *, topic: bytes = b"event", **fields: Any) -> None:
-        """Events and stats on the PUB stream (``events.sock``): topic, then JSON."""
-        if self.pub is None:
-            return
-        try:
-            self.pub.send_multipart(
-                [topic, m.msgspec.json.encode({"event": event, "ts": time.time(), **fields})],
-                flags=zmq.NOBLOCK,
-            )
-        except zmq.ZMQError:
-            pass
-
-    EVENT_LOGGERS = ("numaserve.supervisor", "numaserve.operations", "numaserve.leak", "numaserve.limits",
-                     "numaserve.steering", "numaserve.ops", "numaserve.audit")
-
-    def _event_sink(self, event: dict[str, Any]) -> None:
-        if self.pub is None or event.get("logger") not in self.EVENT_LOGGERS:
-            return
-        try:
-            self.pub.send_multipart([b"event", m.msgspec.json.encode(event, enc_hook=str)], flags=zmq.NOBLOCK)
-        except (zmq.ZMQError, TypeError):
-            pass
+        self.events.publish(event, topic=topic, **fields)
 
     def _publish_stats(self, now: float) -> None:
-        if now - self._last_stats_pub < 1.0:
-            return
-        self._last_stats_pub = now
-        self.publish("stats", topic=b"stats", state=self.state, slots=self.slot_statuses(now))
+        if self.events.stats_due(now):
+            self.publish("stats", topic=b"stats", state=self.state, slots=self.slot_statuses(now))
 
     def slot_statuses(self, now: float) -> list[dict[str, Any]]:
         out = []
@@ -900,7 +775,7 @@ class Supervisor:
         w.stop_deadline = deadline
         if w.identity is not None and not w.external:
             msg: m.Msg = (m.Drain if drain else m.Stop)(id=uuid.uuid4().hex[:12], deadline=deadline)
-            asyncio.get_running_loop().create_task(self._send(w, msg))
+            self.channel.send_soon(w, msg)
         elif w.external or w.hello is None:
             # no control channel (yet): an external command, or a worker still booting
             self._signal(w, signal.SIGTERM)
@@ -1056,24 +931,12 @@ class Supervisor:
         return cur is not None and cur.kind == "reload" and cur.state == "running"
 
     def _start_reload(self, args: dict[str, Any]) -> Operation:
-        from numaserve.config import load_config
         from numaserve.supervisor.ops import arg_timeout
-        from numaserve.supervisor.prepare import prepare
 
         timeout_arg = arg_timeout(args, "timeout", None)
         # a revoked key must stop working even when the rest of the reload is refused
         self.reload_curve_keys()
-        try:
-            new_cfg = load_config(self.config_path, self.overrides)
-            topo, new_plan = prepare(new_cfg)
-        except NumaserveError as e:
-            raise NumaserveError(f"reload refused, nothing changed: {e}") from None
-        problems = reload_blockers(self.cfg, self.plan, new_cfg, new_plan)
-        if problems:
-            raise NumaserveError(
-                "reload refused, nothing changed: " + "; ".join(problems)
-                + " (these need a restart of the service)"
-            )
+        new_cfg, topo, _ = load_for_reload(self.config_path, self.overrides, self.cfg, self.plan)
         timeout = new_cfg.ops.drain_timeout if timeout_arg is None else timeout_arg
         slots = list(self.slots.values())
 
@@ -1099,20 +962,7 @@ class Supervisor:
 
     def status_line(self) -> str:
         """One-line per-node summary for systemd's STATUS= (and logs)."""
-        nodes: dict[int, list[str]] = {}
-        for s in self.slots.values():
-            nodes.setdefault(s.plan.node, []).append(s.state)
-        parts = []
-        for node, states in sorted(nodes.items()):
-            ready = states.count(S.READY)
-            extra = sorted({st for st in states if st != S.READY})
-            parts.append(f"node{node} {ready}/{len(states)} ready" + (f" ({','.join(extra)})" if extra else ""))
-        line = f"{self.state}: " + "; ".join(parts)
-        failed = [s for s in self.slots.values() if s.state == S.FAILED]
-        if failed:  # say what is missing and why (systemctl status shows this line)
-            line += "; missing: " + "; ".join(
-                f"slot {s.plan.slot} failed ({(s.failed_reason or '?')[:120]})" for s in failed)
-        return line[:500]
+        return status_line(self.state, self.slots.values())
 
     def _notify(self, now: float) -> None:
         n = self.notifier
@@ -1130,7 +980,7 @@ class Supervisor:
             n.ping(now)
 
     def _healthy(self) -> bool:
-        return self.ctl is not None and not any(t.done() for t in self._tasks)
+        return self.channel.sock is not None and not any(t.done() for t in self._tasks)
 
     # -------------------------------------------------------------------- ops
 
@@ -1190,36 +1040,3 @@ class Supervisor:
             "limits": {str(n): d for n, d in self.limits.last_decision.items()},
             "operations": self.operations.recent(),
         }
-
-
-def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) -> list[str]:
-    """What a reload cannot apply in place (listeners and the plan are fixed for
-    the supervisor's life: they define the reuseport groups and bindings)."""
-    out = []
-    if sorted(old.server.bind) != sorted(new.server.bind):
-        out.append(f"server.bind changed ({old.server.bind} -> {new.server.bind})")
-    if old.server.backlog != new.server.backlog:
-        out.append(f"server.backlog changed ({old.server.backlog} -> {new.server.backlog})")
-    if bool(old.server.cmd) != bool(new.server.cmd):
-        out.append("switching between server.app and server.cmd")
-    from numaserve.supervisor.cmdready import host_port_placeholders
-
-    if bool(host_port_placeholders(old.server.cmd)) != bool(host_port_placeholders(new.server.cmd)):
-        out.append("server.cmd switched to or from binding its own sockets ({host}/{port})")
-    a = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in old_plan.slots]
-    b = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in new_plan.slots]
-    if a != b:
-        out.append("the placement plan changed (nodes, workers per node, CPUs or memory policy)")
-    if old.admin != new.admin:
-        changed = [k for k in ("enabled", "bind", "max_connections", "idle_timeout")
-                   if getattr(old.admin, k) != getattr(new.admin, k)]
-        out.append("admin." + ", admin.".join(changed) + " changed")
-    if old.supervisor.runtime_dir != new.supervisor.runtime_dir:
-        out.append("supervisor.runtime_dir changed")
-    if old.ops != new.ops:
-        changed = [k for k in ("readonly_group", "audit_log", "tcp_endpoint", "curve_secret_key",
-                               "curve_authorized_keys", "max_connections")
-                   if getattr(old.ops, k) != getattr(new.ops, k)]
-        if changed:
-            out.append("ops." + ", ops.".join(changed) + " changed")
-    return out
