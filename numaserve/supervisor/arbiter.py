@@ -1,18 +1,20 @@
-"""The supervision loop: one readable loop that owns every slot.
+"""The supervisor: the composition root that owns the slots, the sockets and the loop.
 
 Shape (gunicorn's arbiter, nginx's master that owns the listeners):
 
     start:  runtime dir (lock, stale files) → listeners (all slots, before
             any worker) → ZeroMQ sockets → spawn every slot
     loop:   every tick (≤ 0.2 s, woken early by SIGCHLD and messages):
-            reap exits → restart due slots → watchdog (hangs, boot timeouts,
-            kill escalation) → verify bindings → readiness
-    stop:   readiness off (/readyz 503) → server.lb_grace while balancers
-            notice → accept queues taken → Stop to every worker (graceful)
-            → wait → SIGKILL what remains → close listeners → release the
-            runtime dir
+            reap → restart due / readiness → guard (watchdog, verify, limits,
+            memory) → route (steer, rescue) → report (systemd, stats)
+    stop:   ``stopseq``: readiness off → lb grace → accept queues → Stop → kill
 
-Signal handlers only set flags (run in the event loop via add_signal_handler).
+The roles live in their own modules and are composed here: ``lifecycle``
+(spawn/reap/backoff/watchdog/verify), ``channel`` (worker control channel),
+``events`` (PUB stream), ``stopseq``, ``reload``, ``irqstart``, ``notify``,
+``operations`` and the ops verbs (``ops``, ``ops_cache``) through the
+``SlotControl``/``OpsTarget`` protocols.  Signal handlers only enqueue (a flag,
+a wake-up, or an ops request: SIGHUP is ``reload`` on the audited ops path).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.frontdoor import FrontDoor, bind_tcp, bind_unix
 from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
-from numaserve.supervisor.lbgrace import GraceDecision, ProbeClock, decide_lb_grace
+from numaserve.supervisor.lbgrace import ProbeClock
 from numaserve.supervisor.leakwatch import LeakWatch
 from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-exported)
     EXIT_ERROR,
@@ -72,6 +74,7 @@ from numaserve.supervisor.channel import WorkerChannel
 from numaserve.supervisor.events import EventStream
 from numaserve.supervisor.reload import load_for_reload
 from numaserve.supervisor.rescue import Rescuer
+from numaserve.supervisor.stopseq import ACCEPT_SETTLE_MAX_S, StopSequence  # noqa: F401  (re-exported)
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
 
@@ -81,9 +84,6 @@ TICK = 0.2
 OPS_RO_BACKEND = "ops-ro-backend.sock"    # libzmq side of the read-only front door
 OPS_TCP_BACKEND = "ops-tcp-backend.sock"  # libzmq (CURVE) side of the TCP front door
 EVENTS_BACKEND = "events-backend.sock"    # libzmq PUB behind the events.sock front door
-#: After lb_grace, how long the workers may take to accept what is queued before
-#: they are told to stop (a connection left in a listener at close is reset).
-ACCEPT_SETTLE_MAX_S = 5.0
 
 
 class Supervisor:
@@ -146,16 +146,13 @@ class Supervisor:
         self.events = EventStream()
         self._event_sink = self.events.sink
         self.state = "starting"
-        self.stop_phase: str | None = None        # lb_grace -> accept_queue -> draining
-        self.lb_grace_until: float | None = None
-        self._stop_task: asyncio.Task[None] | None = None
         self.readyz_probes = ProbeClock()         # the admin app notes every /readyz
-        self.stop_deadline: float | None = None
-        self.fast_stop = False
         self.bad_messages = 0
         self.channel = WorkerChannel(self.slots)
         self.sticky = self.channel.sticky          # OpsTarget: the cache epoch lives here
         self.notifier = Notifier()
+        self.stopper = StopSequence(self, self.lifecycle, self.notifier, self.readyz_probes,
+                                    close_listeners=lambda: self.listeners.close())
         from numaserve.log import add_event_sink
 
         add_event_sink(self._event_sink)  # every supervisor log event also goes on the PUB stream
@@ -303,12 +300,28 @@ class Supervisor:
             self.curve_keys.load()
 
     async def run(self) -> int:
+        """Signals in, servers up, every slot spawned; tick until the stop finished; shut down."""
+        self._install_signal_handlers()
+        await self._start_servers()
+        self._spawn_all()
+        try:
+            while not self._tick(time.monotonic()):
+                await self._sleep()
+        finally:
+            await self._shutdown()
+        return self._exit_status()
+
+    def _install_signal_handlers(self) -> None:
+        """Handlers only enqueue: set flags, wake the loop, or start an ops request."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         loop.add_signal_handler(signal.SIGCHLD, self.wake.set)
         loop.set_exception_handler(self._loop_exception)
+
+    async def _start_servers(self) -> None:
+        """The worker channel, the ops sockets, the front doors and the admin endpoint."""
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="control"),
             asyncio.create_task(self._ops_loop(self.ops, "ipc"), name="ops"),
@@ -326,57 +339,76 @@ class Supervisor:
             except NumaserveError as e:  # serving matters more than metrics: say so loudly, go on
                 log.error("admin_failed", error=str(e))
             self.admin_sock = None
+
+    def _spawn_all(self) -> None:
         now = time.monotonic()
         self._ran = True
         for slot in self.slots.values():
             self.start_worker(slot, now)
+
+    def _tick(self, now: float) -> bool:
+        """One pass of the supervision loop; True once the stop has finished."""
+        self.heartbeat.beat()
+        self.lifecycle.reap(now)
+        if self.stopping:
+            if self.stopper.progress():
+                return True
+        else:
+            self.lifecycle.restart_due(now)
+            self.lifecycle.check_boot_failure()
+            if self.fatal:  # nothing is serving: no balancer to wait for
+                self._begin_stop("fatal: " + self.fatal, fast=False, lb_grace=False)
+                return self._tick(time.monotonic())
+            self._readiness(now)
+        self._guard(now)
+        self._route(now)
+        self._report(now)
+        return False
+
+    def _guard(self, now: float) -> None:
+        """Hangs and deadlines, bindings, limits, memory and fds."""
+        self.lifecycle.watchdog(now)
+        self.lifecycle.verify(now)
+        self.limits.tick(now)
+        if now - self._last_mem >= 1.0:
+            self._last_mem = now
+            self.leakwatch.tick(now)
+            if self.fdwatch is not None:
+                self.fdwatch.tick()
+
+    def _route(self, now: float) -> None:
+        """New connections to the serving slots; stranded ones handed over; shared-port watch."""
+        self.steer()
+        self._rescue()
+        self._check_shared_port(now)
+
+    def _report(self, now: float) -> None:
+        self._notify(now)
+        self._publish_stats(now)
+
+    async def _sleep(self) -> None:
+        """Until the next tick (<= TICK), or earlier when SIGCHLD or a message wakes the loop."""
+        self.wake.clear()
         try:
-            while True:
-                self.heartbeat.beat()
-                now = time.monotonic()
-                self.lifecycle.reap(now)
-                if self.stopping:
-                    self._stop_progress(now)
-                    if not any(True for s in self.slots.values() for _ in s.workers()):
-                        break
-                else:
-                    self.lifecycle.restart_due(now)
-                    self.lifecycle.check_boot_failure()
-                    if self.fatal:  # nothing is serving: no balancer to wait for
-                        self._begin_stop("fatal: " + self.fatal, fast=False, lb_grace=False)
-                        continue
-                    self._readiness(now)
-                self.lifecycle.watchdog(now)
-                self.lifecycle.verify(now)
-                self.limits.tick(now)
-                if now - self._last_mem >= 1.0:
-                    self._last_mem = now
-                    self.leakwatch.tick(now)
-                    if self.fdwatch is not None:
-                        self.fdwatch.tick()
-                self.steer()
-                self._rescue()
-                self._check_shared_port(now)
-                self._notify(now)
-                self._publish_stats(now)
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), TICK)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            extra = list(self._probes.values()) + list(self._signal_requests) + ([self._discovery] if self._discovery else []) + \
-                ([self._stop_task] if self._stop_task else [])
-            for t in self._tasks + extra:
-                t.cancel()
-            await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
-            await self.rescuer.close()
-            for door in self.doors:
-                await door.stop()
-            if self.admin is not None:
-                await self.admin.stop()
-                self.admin = None
-            self.close()
+            await asyncio.wait_for(self.wake.wait(), TICK)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _shutdown(self) -> None:
+        extra = list(self._probes.values()) + list(self._signal_requests) + \
+            ([self._discovery] if self._discovery else []) + ([self.stopper.task] if self.stopper.task else [])
+        for t in self._tasks + extra:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
+        await self.rescuer.close()
+        for door in self.doors:
+            await door.stop()
+        if self.admin is not None:
+            await self.admin.stop()
+            self.admin = None
+        self.close()
+
+    def _exit_status(self) -> int:
         if self.fatal:
             return self.exit_code if self.exit_code != EXIT_OK else EXIT_ERROR
         return EXIT_FORCED if self.forced_kills else EXIT_OK
@@ -698,70 +730,8 @@ class Supervisor:
         self.wake.set()
 
     def _begin_stop(self, reason: str, *, fast: bool, lb_grace: bool = True) -> None:
-        """Readiness goes off now (``stopping``: /readyz 503); the workers keep
-        serving through the lb grace, then take what is queued, then drain.
-        ``fast`` kills every worker (a second signal, ``stop --fast``)."""
-        now = time.monotonic()
-        first = not self.stopping
-        self.lifecycle.stopping = True
         self.state = "stopping"
-        if first:
-            log.info("stopping", reason=reason)
-            self.notifier.stopping(f"stopping: {reason}")
-        if fast:
-            self.fast_stop = True
-            if self._stop_task is not None:
-                self._stop_task.cancel()
-            for slot in self.slots.values():
-                for w in slot.workers():
-                    if w.popen.poll() is None and w.kill_sent is None:
-                        self.kill(w, now)
-                        self.lifecycle.forced_kills = True
-            return
-        if first:
-            grace = (decide_lb_grace(self.cfg.server.lb_grace, self.readyz_probes.age()) if lb_grace
-                     else GraceDecision(0.0, "nothing is serving: no balancer to wait for"))
-            log.info("lb_grace", seconds=grace.seconds, reason=grace.reason)
-            self._stop_task = asyncio.get_running_loop().create_task(self._stop_after_grace(grace.seconds),
-                                                                     name="stop")
-
-    async def _stop_after_grace(self, grace: float) -> None:
-        try:
-            if grace > 0:
-                self.stop_phase = "lb_grace"
-                self.lb_grace_until = time.monotonic() + grace
-                await asyncio.sleep(grace)
-            # Workers still accept: let them take what the balancer sent before it
-            # noticed (steering is frozen from here on, so no slot is left out).
-            self.stop_phase = "accept_queue"
-            settle = min(ACCEPT_SETTLE_MAX_S, max(0.2, self.cfg.server.graceful_timeout / 4))
-            end = time.monotonic() + settle
-            while (queued := self._queued_on_serving_slots()) and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-            if queued:
-                log.warning("accept_queue_not_empty", connections=queued, waited_s=settle)
-        except Exception as e:  # never let a stop hang on its preamble
-            log.error("stop_preamble_failed", error=repr(e))
-        self.stop_phase = "draining"
-        now = time.monotonic()
-        for slot in self.slots.values():
-            if slot.worker is not None:
-                slot.state = S.STOPPING
-            for w in slot.workers():
-                if w.stop_sent is None and w.kill_sent is None:
-                    self.send_stop(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
-        # Each worker closes its copy of its listener as it stops accepting; with
-        # ours closed too the socket goes away then, and the kernel refuses new
-        # connections (a balancer without health checks retries a refused
-        # connect safely) instead of queueing them until the final close resets them.
-        self.listeners.close()
-        self.wake.set()
-
-    def _queued_on_serving_slots(self) -> int:
-        """Connections waiting in the listeners of slots whose worker can still take them."""
-        return sum(accept_queue_depth(lst.sock) or 0
-                   for slot in self.slots.values() if slot.worker is not None and slot.worker.popen.poll() is None
-                   for lst in self.listeners.by_slot.get(slot.plan.slot, []))
+        self.stopper.begin(reason, fast=fast, lb_grace=lb_grace)
 
     def send_stop(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
         """Ask one worker to finish in-flight work within ``deadline`` s and exit.
@@ -783,11 +753,6 @@ class Supervisor:
     def queued(self, slots: Iterable[int]) -> int:
         """Connections waiting in these slots' listeners (SlotControl)."""
         return sum(accept_queue_depth(lst.sock) or 0 for n in slots for lst in self.listeners.by_slot.get(n, []))
-
-    def _stop_progress(self, now: float) -> None:
-        for slot in self.slots.values():
-            if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED, S.DRAINED):
-                slot.state = S.STOPPED
 
     def healthy_slots(self) -> list[int]:
         """Slots that should receive new connections: a worker is serving there
@@ -811,7 +776,7 @@ class Supervisor:
 
     def steer(self) -> None:
         # during the lb grace the slots still serve: keep steering off dead ones
-        if self.steering is not None and (not self.stopping or self.stop_phase == "lb_grace"):
+        if self.steering is not None and (not self.stopping or self.stopper.phase == "lb_grace"):
             # while nothing serves yet, new connections wait on slots whose
             # worker is booting, never on one that failed or backs off
             booting = [s.plan.slot for s in self.slots.values()
@@ -1014,9 +979,9 @@ class Supervisor:
             "supervisor": {
                 "pid": os.getpid(),
                 "state": self.state,
-                "stop_phase": self.stop_phase,
-                "lb_grace_left_s": (round(max(0.0, self.lb_grace_until - now), 3)
-                                    if self.stop_phase == "lb_grace" and self.lb_grace_until else None),
+                "stop_phase": self.stopper.phase,
+                "lb_grace_left_s": (round(max(0.0, self.stopper.lb_grace_until - now), 3)
+                                    if self.stopper.phase == "lb_grace" and self.stopper.lb_grace_until else None),
                 "uptime_s": round(now - self.started, 3),
                 "runtime_dir": str(self.runtime.path),
                 "config_file": self.config_path,
