@@ -391,7 +391,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         parse_ready(cfg.cmd.ready)
     except ValueError as e:
         raise bad("cmd", "ready", cfg.cmd.ready, str(e)) from None
-    from numaserve.workerenv import check_env_config  # local: avoids an import cycle
+    from numaserve.bind.workerenv import check_env_config  # local: avoids an import cycle
 
     for key, value, why in check_env_config(cfg.env):
         raise bad("env", key, value, why)
@@ -407,7 +407,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         if not ops.curve_secret_key or not ops.curve_authorized_keys:
             raise bad("ops", "tcp_endpoint", ops.tcp_endpoint,
                       "ops.curve_secret_key and ops.curve_authorized_keys set too (remote control is CURVE-only)")
-    from numaserve.nodespec import parse_node_spec  # local: avoids an import cycle
+    from numaserve.bind.nodespec import parse_node_spec  # local: avoids an import cycle
 
     try:
         parse_node_spec(cfg.placement.nodes)

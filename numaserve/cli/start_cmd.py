@@ -103,8 +103,8 @@ def start(
 
     configure_logging(cfg.log.level, cfg.log.format, stream=sys.stderr, process="supervisor")
 
-    from numaserve.listeners import resolve_binds
-    from numaserve.portowners import check_binds
+    from numaserve.net.listeners import resolve_binds
+    from numaserve.net.portowners import check_binds
     from numaserve.runtime import RuntimeDir, resolve_runtime_dir
     from numaserve.supervisor.arbiter import Supervisor
     from numaserve.supervisor.prepare import prepare

@@ -36,8 +36,8 @@ from numaserve.control import messages as m
 from numaserve.control.checks import heartbeat_problem, stats_problem
 from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
-from numaserve.listeners import ListenerSet, accept_queue_depth, open_listeners
-from numaserve.placement import Plan, SlotPlan
+from numaserve.net.listeners import ListenerSet, accept_queue_depth, open_listeners
+from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.topology.model import Topology
 from numaserve.runtime import (
     AUDIT_LOG,
@@ -799,7 +799,7 @@ class Supervisor:
             return
         if peers:
             if st.paused is None:
-                from numaserve.portowners import owners
+                from numaserve.net.portowners import owners
 
                 table = owners(p.inode for p in peers)
                 who = sorted({f"pid {o.pid}" for p in peers for o in table.get(p.inode, [])}) or ["another user"]

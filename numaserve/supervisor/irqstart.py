@@ -1,6 +1,6 @@
 """``[irq] apply_at_start``: steer NIC IRQs onto their nodes' CPUs at start, restore them at exit.
 
-The plan and the sysfs writes live in ``numaserve.irq``; this is the
+The plan and the sysfs writes live in ``numaserve.net.irq``; this is the
 supervisor's use of them.  A refusal (irqbalance running in refuse mode) or
 per-IRQ failures never stop serving: they are logged with the fix and shown
 in status (``supervisor.irq``).
@@ -14,8 +14,8 @@ import structlog
 
 from numaserve.config import Config
 from numaserve.errors import NumaserveError
-from numaserve.irq import IrqbalanceConflict, apply_plan, default_state_file, plan_irqs, restore
-from numaserve.placement import Plan
+from numaserve.net.irq import IrqbalanceConflict, apply_plan, default_state_file, plan_irqs, restore
+from numaserve.bind.placement import Plan
 from numaserve.topology.model import Topology
 
 __all__ = ["apply_at_start", "restore_at_exit"]

@@ -23,7 +23,7 @@ import structlog
 
 from numaserve.config import Config
 from numaserve.errors import NumaserveError
-from numaserve.placement import SlotPlan
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor import exits as X
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy
@@ -39,7 +39,7 @@ EXIT_NO_SLOT = 3         # no slot could start (e.g. the app cannot import)
 EXIT_FORCED = 4          # stopped, but workers had to be killed (timeout or second signal)
 
 WORKER_EXIT_APP_LOAD = 3       # numaserve.worker.main.EXIT_APP_LOAD_FAILED
-LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.launch: binding or exec failed
+LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.bind.launch: binding or exec failed
 LAUNCH_EXIT_NOT_FOUND = 127
 
 
@@ -346,7 +346,7 @@ class Lifecycle:
             pass
 
     def verify(self, now: float) -> None:
-        from numaserve.verify import check_placement, read_placement
+        from numaserve.bind.verify import check_placement, read_placement
 
         interval = self.cfg.supervisor.verify_interval
         for slot, w in [(sl, w) for sl in self.slots.values() for w in sl.workers()]:

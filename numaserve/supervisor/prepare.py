@@ -8,9 +8,9 @@ is changed.
 
 from __future__ import annotations
 
-from numaserve.allocator import check_allocator
+from numaserve.bind.allocator import check_allocator
 from numaserve.config import Config
-from numaserve.placement import Plan, make_plan
+from numaserve.bind.placement import Plan, make_plan
 from numaserve.supervisor.spawn import check_cmd_template
 from numaserve.topology import discover
 from numaserve.topology.model import Topology

@@ -12,7 +12,7 @@ from typing import Any
 
 from numaserve.config import Config, load_config
 from numaserve.errors import NumaserveError
-from numaserve.placement import Plan
+from numaserve.bind.placement import Plan
 from numaserve.supervisor.cmdready import host_port_placeholders
 from numaserve.supervisor.prepare import prepare
 from numaserve.topology.model import Topology

@@ -1,6 +1,6 @@
 """Start one worker process, already bound, on its slot's inherited listeners.
 
-The process is started through the exec trampoline (``numaserve.launch``):
+The process is started through the exec trampoline (``numaserve.bind.launch``):
 CPU affinity and memory policy are in force before the worker's interpreter
 starts, so every thread and every page it ever has is placed (FACTS §1.6).
 ``subprocess.Popen`` execs in C (no Python runs between fork and exec), which
@@ -15,18 +15,18 @@ import subprocess
 import sys
 from typing import Any, Iterable, Mapping
 
-from numaserve.allocator import allocator_env
+from numaserve.bind.allocator import allocator_env
 from numaserve.config import AllocatorConfig, CacheConfig, Config, FramingConfig, TlsConfig
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
-from numaserve.launch import build_launch_argv
-from numaserve.listeners import Listener
-from numaserve.placement import SlotPlan
+from numaserve.bind.launch import build_launch_argv
+from numaserve.net.listeners import Listener
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV, token_pipe
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
 from numaserve.worker.tls import check_tls
-from numaserve.workerenv import slot_env
+from numaserve.bind.workerenv import slot_env
 
 CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
 
@@ -112,7 +112,7 @@ def check_cmd_template(template: str, *, allow_host_port: bool = False) -> None:
     the connections with no steering, no readiness probe and no queue kept
     across its restarts.
     """
-    from numaserve.listeners import Listener as _L
+    from numaserve.net.listeners import Listener as _L
     from numaserve.supervisor.cmdready import host_port_placeholders
     import socket
 

@@ -25,8 +25,8 @@ from typing import Iterable, Mapping, Sequence
 
 import structlog
 
-from numaserve.listeners import ListenerSet
-from numaserve.steering import (
+from numaserve.net.listeners import ListenerSet
+from numaserve.net.steering import (
     attach_reuseport_cbpf,
     build_selection_program,
     detach_reuseport_bpf,

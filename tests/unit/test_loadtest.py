@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numaserve.loadtest import (
+from numaserve.tools.loadtest import (
     LatencyRecorder,
     LoadConfig,
     LoadConfigError,
@@ -364,7 +364,7 @@ def test_open_loop_pool_bound(server: FakeServer) -> None:
 
 
 def test_open_loop_backlog_is_bounded(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import numaserve.loadtest as lt
+    import numaserve.tools.loadtest as lt
 
     monkeypatch.setattr(lt, "MAX_BACKLOG", 5)
     r = run_load(LoadConfig(server.url("/slow"), rate=100, duration=0.2, timeout=0.3, connections=2,

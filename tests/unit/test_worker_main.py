@@ -37,7 +37,7 @@ def test_exit_codes() -> None:
 
 
 def test_placement_without_verify_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "numaserve.verify", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "numaserve.bind.verify", None)  # import -> ImportError
     p = check_placement(make_spec())
     assert p.problems == ["mempolicy not checked: verify module missing"]
     assert p.cpus == sorted(os.sched_getaffinity(0)) and p.ok and p.mempolicy == "unchecked"
@@ -48,9 +48,9 @@ def test_placement_without_verify_module(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_placement_with_verify(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    fake = types.ModuleType("numaserve.verify")
+    fake = types.ModuleType("numaserve.bind.verify")
     fake.check_self = lambda cpus, mp, nodes: (False, ["policy default, expected bind"], (0, 1), "default")  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "numaserve.verify", fake)
+    monkeypatch.setitem(sys.modules, "numaserve.bind.verify", fake)
     p = check_placement(make_spec())
     assert (p.ok, p.cpus, p.mempolicy, p.problems) == (False, [0, 1], "default", ["policy default, expected bind"])
 

@@ -13,7 +13,7 @@ import itertools
 from typing import Any, Iterable
 
 from numaserve.config import Config
-from numaserve.placement import SlotPlan
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lifecycle import Lifecycle

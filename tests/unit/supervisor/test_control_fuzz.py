@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from numaserve.config import Config
 from numaserve.control import messages as m
-from numaserve.placement import Plan, SlotPlan
+from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.runtime import RuntimeDir
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S

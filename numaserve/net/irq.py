@@ -1,7 +1,7 @@
 """NIC IRQ steering: put each queue interrupt of a NIC on a CPU of the NIC's node.
 
 Why: a packet's RX softirq runs on the CPU its queue interrupt fires on, and
-that CPU is what the reuseport CBPF program (``numaserve.steering``) uses to
+that CPU is what the reuseport CBPF program (``numaserve.net.steering``) uses to
 pick a NUMA-local listener.  Interrupts on the wrong node make every request
 cross the interconnect twice.
 
