@@ -803,9 +803,8 @@ class Supervisor:
 
                 table = owners(p.inode for p in peers)
                 who = sorted({f"pid {o.pid}" for p in peers for o in table.get(p.inode, [])}) or ["another user"]
-                st.paused = f"port shared with {', '.join(who)} (takeover): kernel hash over both owners"
+                st.pause(f"port shared with {', '.join(who)} (takeover): kernel hash over both owners")
                 log.warning("steering_paused", reason=st.paused, sockets=len(peers))
-                st._apply()
             return
         if st.paused is not None and (self._discovery is None or self._discovery.done()) and self._ran:
             self._discovery = asyncio.get_running_loop().create_task(self._discover_positions())
@@ -825,12 +824,10 @@ class Supervisor:
             found = await discover_positions(first, len(self.slots), owner.get)
             if found is None:
                 log.info("steering_positions_unknown", address=first.address, retry_s=2.0)
-                st._applied = None  # our probes replaced the program: put back whatever we had
+                st.invalidate()  # our probes replaced the program: put back whatever we had
                 return
             maps.append(found)
-        st.group_pos = maps
-        st.paused = None
-        st._applied = None
+        st.resume(maps)
         log.info("steering_resumed", positions=[{str(k): v for k, v in sorted(m.items())} for m in maps])
         self.steer()
 
