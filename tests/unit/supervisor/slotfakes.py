@@ -12,11 +12,12 @@ import asyncio
 import itertools
 from typing import Any, Iterable
 
-from numaserve.config import Config
 from numaserve.bind.placement import SlotPlan
+from numaserve.config import Config
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lifecycle import Lifecycle
+from numaserve.supervisor.operations import Operation, Operations
 
 _pids = itertools.count(40000)
 
@@ -149,3 +150,14 @@ class FakeSlots:
 
     def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
         self.sent.append((w.pid, name, args))
+
+
+def held_operation(ops: Operations, slots: list[int], kind: str = "restart") -> tuple[Operation, asyncio.Event]:
+    """A running operation that ends ("held") when the returned event is set (call inside a loop)."""
+    gate = asyncio.Event()
+
+    async def hold(op: Operation) -> str:
+        await gate.wait()
+        return "held"
+
+    return ops.start(kind, {}, slots, hold), gate

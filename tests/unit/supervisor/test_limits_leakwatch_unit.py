@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from slotfakes import FakeSlots
+from slotfakes import FakeSlots, held_operation
 
 from numaserve.config import Config
 from numaserve.supervisor import leakwatch as LW
@@ -128,13 +128,7 @@ def test_a_recycle_is_deferred_while_another_operation_runs(rss: dict[int, int])
     async def main() -> None:
         f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
         ops = Operations(f)
-        gate = asyncio.Event()
-
-        async def hold(op: Any) -> str:
-            await gate.wait()
-            return "held"
-
-        other = ops.start("restart", {}, [0], hold)
+        other, gate = held_operation(ops, [0])
         lw = LeakWatch(f, ops)
         lw.budget = 100 * 1024 * 1024
         w = f.slots[0].worker

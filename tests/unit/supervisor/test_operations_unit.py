@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from slotfakes import FakeSlots
+from slotfakes import FakeSlots, held_operation
 
 from numaserve.errors import NumaserveError
 from numaserve.supervisor import slots as S
@@ -134,21 +134,15 @@ def test_one_mutating_operation_at_a_time_and_none_while_stopping() -> None:
     async def main() -> None:
         f = serving(1)
         ops = Operations(f)
-        gate = asyncio.Event()
-
-        async def slow(op: Operation) -> str:
-            await gate.wait()
-            return "done"
-
-        first = ops.start("restart", {}, [0], slow)
+        first, gate = held_operation(ops, [0])
         with pytest.raises(NumaserveError, match=f"operation {first.id} \\(restart\\) is still running"):
-            ops.start("drain", {}, [0], slow)
+            held_operation(ops, [0], "drain")
         gate.set()
         await first.done.wait()
-        assert first.state == "succeeded" and first.result == "done" and f.wake.is_set()
+        assert first.state == "succeeded" and first.result == "held" and f.wake.is_set()
         f.life.stopping = True
         with pytest.raises(NumaserveError, match="stopping"):
-            ops.start("drain", {}, [0], slow)
+            held_operation(ops, [0], "drain")
 
     asyncio.run(main())
 
