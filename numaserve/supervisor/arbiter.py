@@ -69,6 +69,7 @@ from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-e
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.notify import Notifier, status_line
 from numaserve.supervisor.operations import Operation, Operations
+from numaserve.supervisor.opstcp import bind_curve_router
 from numaserve.supervisor import irqstart
 from numaserve.supervisor.channel import WorkerChannel
 from numaserve.supervisor.events import EventStream
@@ -259,38 +260,11 @@ class Supervisor:
                                         max_connections=plan.caps["ops-tcp"], idle_timeout=idle))
 
     def _bind_curve_tcp(self) -> zmq.asyncio.Socket:
-        """Remote ops over TCP: CURVE encryption + client keys authorized by file.
-
-        libzmq's CURVE socket is bound on a private ipc path; the TCP listener
-        itself is a ``FrontDoor`` (bounded connections) that splices to it.
-        """
-        import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
-
-        from numaserve.supervisor.curvekeys import AuthorizedKeys
-
+        """Remote ops over TCP: libzmq's CURVE socket on a private ipc path (the TCP FrontDoor splices to it)."""
         assert self.ctx is not None
-        o = self.cfg.ops
-        try:
-            public, secret = zmq.auth.load_certificate(o.curve_secret_key)
-        except (OSError, ValueError) as e:
-            raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: cannot load: {e}") from None
-        if secret is None:
-            raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: holds no secret key")
-        if not os.path.isdir(o.curve_authorized_keys):
-            raise NumaserveError(f"ops.curve_authorized_keys {o.curve_authorized_keys}: not a directory")
-        # The ZAP handler runs in its own thread on a sync shadow of our context
-        # (same libzmq context, so it authenticates our sockets), independent of
-        # the event loop, which does not exist yet when listeners are opened.
-        self.curve_keys = AuthorizedKeys(o.curve_authorized_keys)
-        self.curve_keys.load()
-        self.authenticator = ThreadAuthenticator(zmq.Context.shadow(self.ctx.underlying))
-        self.authenticator.start()
-        self.authenticator.configure_curve_callback(domain="*", credentials_provider=self.curve_keys)
         with tight_umask():
-            sock = cp.bind_socket(self.ctx, zmq.ROUTER, self.runtime.endpoint(OPS_TCP_BACKEND),
-                                  curve_secretkey=secret, curve_publickey=public, curve_server=True)
-        log.info("ops_tcp_listening", endpoint=o.tcp_endpoint, auth="curve")
+            sock, self.curve_keys, self.authenticator = bind_curve_router(
+                self.ctx, self.cfg.ops, self.runtime.endpoint(OPS_TCP_BACKEND))
         return sock
 
     def reload_curve_keys(self) -> None:
@@ -569,10 +543,6 @@ class Supervisor:
         t = self._probes.pop(id(w), None)
         if t is not None:
             t.cancel()
-
-    # --------------------------------------------------------------- watchdog
-
-    # ----------------------------------------------------------------- verify
 
     # ---------------------------------------------------------------- control
 
