@@ -72,6 +72,7 @@ from numaserve.supervisor.operations import Operation, Operations
 from numaserve.supervisor.opstcp import bind_curve_router
 from numaserve.supervisor import irqstart
 from numaserve.supervisor.channel import WorkerChannel
+from numaserve.supervisor.cmdprobe import ExternalReadiness
 from numaserve.supervisor.events import EventStream
 from numaserve.supervisor.reload import load_for_reload
 from numaserve.supervisor.rescue import Rescuer
@@ -117,13 +118,13 @@ class Supervisor:
         self.lifecycle = Lifecycle(cfg, self.slots, self.policy, spawn_worker=self._spawn_process, wake=self.wake,
                                    started=self.started, on_spawn_error=self._note_spawn_error,
                                    on_exit=self._stop_probe)
+        self.cmd_ready = ExternalReadiness(self, self.lifecycle, lambda: self.steering, lambda: self.listeners)
         self.limits = LimitsManager(self)
         self.leakwatch = LeakWatch(self, self.operations)
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
         self.rescuer = Rescuer()
-        self._probes: dict[int, asyncio.Task[None]] = {}   # id(worker) -> its readiness probe loop
         self._shared_next = 0.0                             # takeover: next look for other owners
         self._discovery: asyncio.Task[None] | None = None
         self._ran = False
@@ -369,7 +370,7 @@ class Supervisor:
             pass
 
     async def _shutdown(self) -> None:
-        extra = list(self._probes.values()) + list(self._signal_requests) + \
+        extra = list(self.cmd_ready.tasks.values()) + list(self._signal_requests) + \
             ([self._discovery] if self._discovery else []) + ([self.stopper.task] if self.stopper.task else [])
         for t in self._tasks + extra:
             t.cancel()
@@ -499,52 +500,12 @@ class Supervisor:
         for s in slots:
             for w in (s.worker, s.incoming):
                 if w and w.external and w.ready is None and w.popen.poll() is None:
-                    self._external_readiness(s, w, now)
-
-    def _external_readiness(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
-        """External commands have no control channel: the supervisor probes the
-        slot (``[cmd] ready``) until the new process accepts (and answers)."""
-        from numaserve.supervisor.cmdready import parse_ready
-
-        spec = parse_ready(self.cfg.cmd.ready)
-        if spec.kind == "alive" or self.steering is None or self.steering.paused:
-            if now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
-                w.last_beat = now
-                self.lifecycle.on_ready(slot, w, now)
-            return
-        if id(w) not in self._probes:
-            self._probes[id(w)] = asyncio.get_running_loop().create_task(
-                self._probe_loop(slot, w, spec), name=f"probe-{slot.plan.slot}-{w.generation}")
-
-    async def _probe_loop(self, slot: S.SlotState, w: S.WorkerProc, spec: Any) -> None:
-        from numaserve.supervisor.probe import probe_slot, process_tree
-
-        assert self.steering is not None
-        lst = self.listeners.by_slot[slot.plan.slot][0]
-        c = self.cfg.cmd
-        try:
-            while w.ready is None and w.popen.poll() is None and not self.stopping:
-                res = await probe_slot(self.steering, lst, slot.plan.slot, lambda: process_tree(w.pid), spec,
-                                       c.probe_timeout)
-                if res.note != w.probe_note:
-                    log.debug("probe", slot=slot.plan.slot, pid=w.pid, ok=res.ok, note=res.note)
-                w.probe_note = res.note
-                if res.ok and w.popen.poll() is None:
-                    now = time.monotonic()
-                    w.last_beat = now
-                    self.lifecycle.on_ready(slot, w, now)
-                    self.wake.set()
-                    return
-                await asyncio.sleep(c.probe_interval)
-        finally:
-            self._probes.pop(id(w), None)
-
-    def _stop_probe(self, w: S.WorkerProc) -> None:
-        t = self._probes.pop(id(w), None)
-        if t is not None:
-            t.cancel()
+                    self.cmd_ready.check(s, w, now)
 
     # ---------------------------------------------------------------- control
+
+    def _stop_probe(self, w: S.WorkerProc) -> None:
+        self.cmd_ready.stop(w)
 
     async def _control_loop(self) -> None:
         await self.channel.serve(self)
