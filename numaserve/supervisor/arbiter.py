@@ -33,7 +33,6 @@ import zmq.asyncio
 
 from numaserve.config import Config
 from numaserve.control import messages as m
-from numaserve.control.checks import heartbeat_problem, stats_problem
 from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
 from numaserve.net.listeners import ListenerSet, accept_queue_depth, open_listeners
@@ -72,6 +71,7 @@ from numaserve.supervisor.operations import Operation, Operations
 from numaserve.supervisor.opstcp import bind_curve_router
 from numaserve.supervisor import irqstart
 from numaserve.supervisor.channel import WorkerChannel
+from numaserve.supervisor.workermsgs import WorkerMessageHandler
 from numaserve.supervisor.cmdprobe import ExternalReadiness
 from numaserve.supervisor.events import EventStream
 from numaserve.supervisor.reload import load_for_reload
@@ -140,8 +140,6 @@ class Supervisor:
         self.fdwatch: fdbudget.FdWatch | None = None
         self.fd_caps: fdbudget.CapsPlan | None = None
         self.ops_limiter = PeerRateLimiter(cfg.ops.rate_limit, cfg.ops.rate_burst)
-        self.rejected: dict[int, int] = {}        # per slot: control messages refused (forged/unverified)
-        self._reject_logged: dict[tuple[int, str], float] = {}
         self.audit = AuditLog(
             __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
         )
@@ -149,9 +147,11 @@ class Supervisor:
         self._event_sink = self.events.sink
         self.state = "starting"
         self.readyz_probes = ProbeClock()         # the admin app notes every /readyz
-        self.bad_messages = 0
         self.channel = WorkerChannel(self.slots)
         self.sticky = self.channel.sticky          # OpsTarget: the cache epoch lives here
+        # late-bound: a test may replace _signal on the instance
+        self.messages = WorkerMessageHandler(self, self.lifecycle, self.channel, on_hello=self.limits.on_hello,
+                                             signal=lambda w, sig: self._signal(w, sig))
         self.notifier = Notifier()
         self.stopper = StopSequence(self, self.lifecycle, self.notifier, self.readyz_probes,
                                     close_listeners=lambda: self.listeners.close())
@@ -512,102 +512,13 @@ class Supervisor:
 
     def count_bad(self, channel: str, why: str) -> None:
         """A malformed, unknown or refused message: counted (status: bad_messages) and dropped."""
-        self.bad_messages += 1
-        log.debug("bad_message", channel=channel, reason=why, total=self.bad_messages)
-
-    _bad = count_bad
-
-    def _reject(self, slot: S.SlotState, why: str, peer: PeerCred | None) -> None:
-        """A message for ``slot`` that its worker did not send: count, drop, say so (rate-limited)."""
-        self.count_bad("control", why)
-        n = slot.plan.slot
-        self.rejected[n] = self.rejected.get(n, 0) + 1
-        now = time.monotonic()
-        key = (n, why.split(":")[0][:40])
-        if now - self._reject_logged.get(key, -1e9) >= 10.0:
-            self._reject_logged[key] = now
-            log.warning("control_message_refused", slot=n, reason=why, sender=peer.to_json() if peer else None,
-                        refused_for_slot=self.rejected[n])
+        self.messages.count_bad(channel, why)
 
     def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
-        self._handle_worker_msg(identity, msg, peer)
+        self.messages.handle_worker_msg(identity, msg, peer)
 
-    def _handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
-        """Apply a worker's message, if it comes from the process spawned for its slot/generation.
-
-        Hello must carry the spawn token and come from the spawned pid (SO_PEERCRED);
-        later messages must come on the identity that said Hello, from that pid.
-        Anything else is counted and dropped; nothing here signals a pid a message names.
-        """
-        slot = self.slots.get(msg.slot)
-        w = slot.find(msg.generation) if slot is not None else None
-        if slot is None or w is None:
-            self._bad("control", f"message for unknown slot/generation {msg.slot}/{msg.generation}")
-            return
-        now = time.monotonic()
-        if isinstance(msg, m.Hello):
-            why = workerauth.check_hello(msg, expected_pid=w.pid, expected_token=w.token, peer=peer)
-            if why:
-                self._reject(slot, f"hello refused: {why}", peer)
-                return
-            if msg.protocol != m.PROTOCOL:
-                reason = f"control protocol {msg.protocol}, the supervisor speaks {m.PROTOCOL}"
-                self._reject(slot, f"hello refused: {reason}", peer)
-                if peer is not None or w.token is not None:
-                    # proven to be the process we spawned (kernel pid or token): end it with the reason,
-                    # rather than let it hang until the ready timeout
-                    w.kill_reason = reason
-                    self._signal(w, signal.SIGTERM)
-                return
-            w.identity = identity
-            w.hello = now
-            w.last_beat = now
-            w.placement = msg.placement
-            if msg.placement is not None and not msg.placement.ok:
-                log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
-            self.wake.set()
-            if self.stopping and w.stop_sent is None:
-                self.send_stop(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
-                return
-            self.limits.on_hello(slot, w)
-            self.channel.replay_sticky(w)
-            return
-        if w.identity is None or identity != w.identity:
-            self._reject(slot, f"{type(msg).__name__} before hello or from another identity", peer)
-            return
-        why = workerauth.check_sender(w.pid, peer)
-        if why:
-            self._reject(slot, f"{type(msg).__name__} {why}", peer)
-            return
-        if isinstance(msg, m.Heartbeat):
-            problem = heartbeat_problem(msg)
-            if problem:
-                self._bad("control", f"heartbeat: {problem}")
-                return
-            w.last_beat = now
-            w.loop_lag = msg.loop_lag
-            return
-        if isinstance(msg, m.Stats):
-            problem = stats_problem(msg)
-            if problem:
-                self._bad("control", f"stats: {problem}")
-                return
-            w.last_beat = now
-            w.stats = msg
-            if msg.rss_bytes:
-                w.rss_bytes = msg.rss_bytes
-            return
-        w.last_beat = now
-        if isinstance(msg, m.Ready):
-            self.lifecycle.on_ready(slot, w, now)
-            self.wake.set()
-        elif isinstance(msg, m.Goodbye):
-            w.goodbye = msg.reason[:500]
-            log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=w.goodbye)
-            self.wake.set()
-        elif isinstance(msg, m.Ack):
-            log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
-            self.channel.resolve(msg)
+    bad_messages = property(lambda self: self.messages.bad_messages)
+    rejected = property(lambda self: self.messages.rejected)
 
     async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]:
