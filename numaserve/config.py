@@ -23,17 +23,10 @@ from typing import Any, Literal, Mapping
 import msgspec
 
 from numaserve.errors import ConfigError
-from numaserve.irq import IrqSettings
-from numaserve.allocator import AllocatorConfig
-from numaserve.framing import MAX_FRAME_LIMIT, FramingConfig
-from numaserve.worker.cache import CacheConfig
-from numaserve.worker.tls import TlsConfig
 from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.leak import LeakSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
-from numaserve.supervisor.admin import AdminConfig
-from numaserve.supervisor.cmdready import CmdConfig
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
@@ -136,6 +129,101 @@ class OpsConfig(_Section):
     idle_timeout: float = 30.0
     rate_limit: float = 50.0
     rate_burst: int = 100
+
+
+class AdminConfig(_Section):
+    """The ``[admin]`` config section.
+
+    ``bind``: HOST:PORT of the admin HTTP endpoint; loopback by default (the
+    metrics show the deployment's shape, keep them off public interfaces);
+    "" disables it, like ``enabled = false``.  Port 0 picks a free port
+    (shown in ``numaserve status`` as ``supervisor.admin``).
+    ``max_connections``: open connections at most; ``idle_timeout``: seconds
+    a connection may sit without a complete request.
+    """
+
+    enabled: bool = True
+    bind: str = "127.0.0.1:9180"
+    max_connections: int = 64
+    idle_timeout: float = 5.0
+
+
+class IrqSettings(_Section):
+    """The ``[irq]`` config section.
+
+    ``policy``: "shared" spreads queue IRQs over the NIC node's usable CPUs;
+    "reserved" only over the CPUs ``placement.reserve_irq_cpus`` keeps away
+    from workers.  ``interfaces`` empty = every physical NIC with a known
+    node.  ``irqbalance``: "refuse" to apply while irqbalance runs (it would
+    overwrite us within ~10 s) or just "warn".  ``state_file`` "" =
+    ``<supervisor.runtime_dir or /var/lib/numaserve>/irq-saved.json``.
+    """
+
+    apply_at_start: bool = False
+    policy: Literal["shared", "reserved"] = "shared"
+    interfaces: list[str] = msgspec.field(default_factory=list)
+    irqbalance: Literal["refuse", "warn"] = "refuse"
+    rps: bool = False
+    xps: bool = False
+    state_file: str = ""
+
+
+class AllocatorConfig(_Section):
+    """``[allocator]``."""
+
+    malloc_arena_max: int = 2
+    jemalloc: bool = False
+    gc_freeze: bool = True
+
+
+#: Hard cap for ``framing.max_frame_bytes``: keeps every length prefix a
+#: sniffer could mistake for HTTP invalid: a method's first byte (>= 0x41,
+#: i.e. >= 1 GiB) and the LF/CR of an empty line before the request line
+#: (0x0A/0x0D, >= 160 MiB).
+MAX_FRAME_LIMIT = 128 * 1024 * 1024
+
+
+class FramingConfig(_Section):
+    """``[framing]``: the length-prefixed protocol on the HTTP port."""
+
+    enabled: bool = True
+    max_frame_bytes: int = 1024 * 1024
+    max_pipeline: int = 64
+    idle_timeout: float = 60.0
+
+
+class CacheConfig(_Section):
+    """``[cache]``."""
+
+    enabled: bool = False
+    ttl: float = 60.0
+    max_entries: int = 10000
+    max_bytes: int = 64 * 1024 * 1024
+    max_entry_bytes: int = 1024 * 1024
+    deterministic_paths: list[str] = msgspec.field(default_factory=list)
+    key_headers: list[str] = msgspec.field(default_factory=lambda: ["authorization", "accept"])
+
+
+class TlsConfig(_Section):
+    """``[tls]``: empty ``certfile`` = plain TCP."""
+
+    certfile: str = ""
+    keyfile: str = ""
+    ca_certs: str = ""
+    ciphers: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.certfile)
+
+
+class CmdConfig(_Section):
+    """The ``[cmd]`` config section (external ``server.cmd`` workers)."""
+
+    ready: str = "tcp"
+    probe_timeout: float = 2.0
+    probe_interval: float = 0.25
+    allow_host_port: bool = False
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -303,7 +391,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         parse_ready(cfg.cmd.ready)
     except ValueError as e:
         raise bad("cmd", "ready", cfg.cmd.ready, str(e)) from None
-    from numaserve.workerenv import check_env_config  # local: avoids an import cycle
+    from numaserve.bind.workerenv import check_env_config  # local: avoids an import cycle
 
     for key, value, why in check_env_config(cfg.env):
         raise bad("env", key, value, why)
@@ -319,7 +407,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         if not ops.curve_secret_key or not ops.curve_authorized_keys:
             raise bad("ops", "tcp_endpoint", ops.tcp_endpoint,
                       "ops.curve_secret_key and ops.curve_authorized_keys set too (remote control is CURVE-only)")
-    from numaserve.nodespec import parse_node_spec  # local: avoids an import cycle
+    from numaserve.bind.nodespec import parse_node_spec  # local: avoids an import cycle
 
     try:
         parse_node_spec(cfg.placement.nodes)

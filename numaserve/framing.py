@@ -38,6 +38,8 @@ from typing import Any, Iterator
 
 import msgspec
 
+from numaserve.config import MAX_FRAME_LIMIT, FramingConfig
+
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "FrameDecoder",
@@ -56,22 +58,8 @@ __all__ = [
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
-#: Hard cap for ``framing.max_frame_bytes``: keeps every length prefix a
-#: sniffer could mistake for HTTP invalid: a method's first byte (>= 0x41,
-#: i.e. >= 1 GiB) and the LF/CR of an empty line before the request line
-#: (0x0A/0x0D, >= 160 MiB).
-MAX_FRAME_LIMIT = 128 * 1024 * 1024
 _INITIAL_BUFFER = 64 * 1024
 _JSON_START = 0x7B  # "{"
-
-
-class FramingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[framing]``: the length-prefixed protocol on the HTTP port."""
-
-    enabled: bool = True
-    max_frame_bytes: int = 1024 * 1024
-    max_pipeline: int = 64
-    idle_timeout: float = 60.0
 
 
 class FrameError(Exception):

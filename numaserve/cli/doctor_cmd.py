@@ -12,9 +12,9 @@ import textwrap
 import click
 
 from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
-from numaserve.doctor import Check, run_checks
+from numaserve.tools.doctor import Check, run_checks
 from numaserve.errors import NumaserveError, UsageError
-from numaserve.nodespec import parse_node_spec
+from numaserve.bind.nodespec import parse_node_spec
 from numaserve.topology.model import Topology
 
 

@@ -113,7 +113,7 @@ def exec_(
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND bound to NUMA node NODE: `numaserve exec --node 1 -- CMD ARGS...`."""
-    from numaserve import launch
+    from numaserve.bind import launch
 
     argv = list(command)
     if argv and argv[0] == "--":

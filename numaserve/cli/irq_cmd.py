@@ -17,7 +17,7 @@ from numaserve.cli.common import config_from_flags, config_option, echo_json, wa
 from numaserve.config import Config
 from numaserve.cpulist import format_list
 from numaserve.errors import NumaserveError
-from numaserve.irq import (
+from numaserve.net.irq import (
     ApplyResult,
     IrqPlan,
     IrqSettings,
@@ -49,9 +49,9 @@ def _reserved(topo: Topology, settings: IrqSettings, cfg: Config) -> dict[int, t
     if settings.policy != "reserved" or cfg.placement.reserve_irq_cpus <= 0:
         return None
     try:
-        from numaserve.placement import reserved_irq_cpus  # type: ignore[attr-defined]
+        from numaserve.bind.placement import reserved_irq_cpus  # type: ignore[attr-defined]
     except ImportError:
-        raise NumaserveError("irq: policy \"reserved\" needs numaserve.placement.reserved_irq_cpus") from None
+        raise NumaserveError("irq: policy \"reserved\" needs numaserve.bind.placement.reserved_irq_cpus") from None
     k = cfg.placement.reserve_irq_cpus
     return {n.id: tuple(reserved_irq_cpus(topo, n.id, k)) for n in topo.nodes if n.cpus}
 

@@ -1,6 +1,6 @@
 """``numaserve loadtest``: drive a local endpoint and print a wrk-style summary.
 
-The engine is ``numaserve.loadtest``; this module only turns flags into a
+The engine is ``numaserve.tools.loadtest``; this module only turns flags into a
 ``LoadConfig`` and a ``LoadResult`` into text or JSON.  Every argument
 problem is one ``numaserve: error:`` line with exit status 2; a run with any
 error (or no response at all) exits 1 after printing its summary.
@@ -15,7 +15,7 @@ import click
 
 from numaserve.cli.common import FiniteFloat, echo_json, want_json
 from numaserve.errors import UsageError
-from numaserve.loadtest import ERROR_KINDS, LoadConfig, LoadResult, parse_duration, parse_header, run_load
+from numaserve.tools.loadtest import ERROR_KINDS, LoadConfig, LoadResult, parse_duration, parse_header, run_load
 
 
 class _OneLineErrors(click.Command):
@@ -157,7 +157,7 @@ def format_summary(res: LoadResult, cfg: LoadConfig | None = None, *, histogram:
             out.append(f"  Send lag behind schedule: p50 {fmt_ms(lag.percentile_us(0.5) / 1000.0)}, "
                        f"p99 {fmt_ms(p99)}, max {fmt_ms(lag.max_us / 1000.0)} ({note})")
         if histogram:
-            from numaserve.latency_view import histogram_lines
+            from numaserve.tools.latency_view import histogram_lines
             from numaserve.worker.stats import BUCKET_UPPER_MS
 
             out.append("  Latency Histogram")

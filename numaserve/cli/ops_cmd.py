@@ -173,7 +173,7 @@ def status(target: Any, reply_timeout: float, as_json: bool | None, latency: boo
     data = _call(target, "status", timeout=reply_timeout)
     if want_json(as_json):
         if latency:
-            from numaserve.latency_view import latency_summary
+            from numaserve.tools.latency_view import latency_summary
 
             data["latency"] = latency_summary(data)
         echo_json(data)
@@ -182,7 +182,7 @@ def status(target: Any, reply_timeout: float, as_json: bool | None, latency: boo
         if latency:
             from rich.console import Console
 
-            from numaserve.latency_view import render_latency
+            from numaserve.tools.latency_view import render_latency
 
             Console().print(render_latency(data))
 

@@ -13,7 +13,7 @@ import click
 
 from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
 from numaserve.cpulist import format_list
-from numaserve.placement import Plan, format_nodes, make_plan
+from numaserve.bind.placement import Plan, format_nodes, make_plan
 
 
 def _workers_flag(text: str | None) -> int | str | None:

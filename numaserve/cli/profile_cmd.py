@@ -14,7 +14,7 @@ import click
 from numaserve.cli.common import echo_json, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
 from numaserve.errors import UsageError
-from numaserve.profiling import FORMATS, default_output, record, slot_worker_pid
+from numaserve.tools.profiling import FORMATS, default_output, record, slot_worker_pid
 
 
 class _OneLineErrors(click.Command):

@@ -103,26 +103,16 @@ def start(
 
     configure_logging(cfg.log.level, cfg.log.format, stream=sys.stderr, process="supervisor")
 
-    from numaserve.listeners import resolve_binds
-    from numaserve.placement import make_plan
-    from numaserve.portowners import check_binds
+    from numaserve.net.listeners import resolve_binds
+    from numaserve.net.portowners import check_binds
     from numaserve.runtime import RuntimeDir, resolve_runtime_dir
     from numaserve.supervisor.arbiter import Supervisor
-    from numaserve.supervisor.spawn import check_cmd_template
-    from numaserve.topology import discover
+    from numaserve.supervisor.prepare import prepare
 
     # Everything that can refuse the start runs before the runtime directory
     # is touched and before any socket listens: a refused start changes nothing.
     binds = resolve_binds(cfg.server.bind)
-    if cfg.server.cmd:
-        check_cmd_template(cfg.server.cmd, allow_host_port=cfg.cmd.allow_host_port)
-    from numaserve.allocator import check_allocator
-    from numaserve.worker.tls import check_tls
-
-    check_tls(cfg.tls)
-    check_allocator(cfg.allocator)
-    topo = discover(cfg.placement.sysfs_root, declared=cfg.placement.topology_file or None)
-    plan = make_plan(topo, cfg.placement)
+    topo, plan = prepare(cfg)
     import structlog
 
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))

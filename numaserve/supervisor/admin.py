@@ -41,14 +41,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generator, Mapping, Protocol
 
-import msgspec
 import structlog
 
+from numaserve.config import AdminConfig
 from numaserve.errors import NumaserveError
 
 # uvicorn, prometheus_client and the collector are imported when the endpoint
-# starts: numaserve.config imports AdminConfig from here, and every CLI
-# command imports numaserve.config.
+# starts, not by every CLI command that reads the config.
 
 __all__ = [
     "AdminConfig",
@@ -70,23 +69,6 @@ HEARTBEAT_STALE_S = 5.0
 Scope = Mapping[str, Any]
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
-
-
-class AdminConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``[admin]`` config section.
-
-    ``bind``: HOST:PORT of the admin HTTP endpoint; loopback by default (the
-    metrics show the deployment's shape, keep them off public interfaces);
-    "" disables it, like ``enabled = false``.  Port 0 picks a free port
-    (shown in ``numaserve status`` as ``supervisor.admin``).
-    ``max_connections``: open connections at most; ``idle_timeout``: seconds
-    a connection may sit without a complete request.
-    """
-
-    enabled: bool = True
-    bind: str = "127.0.0.1:9180"
-    max_connections: int = 64
-    idle_timeout: float = 5.0
 
 
 class SupervisorView(Protocol):
@@ -129,7 +111,11 @@ def _json(status: int, body: Mapping[str, Any]) -> tuple[int, bytes, bytes]:
 def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: float = HEARTBEAT_STALE_S,
               cpu_node: Mapping[int, int] | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The ASGI app (plain ASGI: no framework in the supervisor)."""
-    from numaserve.supervisor.metrics import NumaserveCollector, make_registry, unready_slots
+    from numaserve.supervisor.metrics import (
+        NumaserveCollector,
+        make_registry,
+        unready_slots,
+    )
 
     def snapshot() -> dict[str, Any]:
         snap = sup.status()

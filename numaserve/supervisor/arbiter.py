@@ -1,18 +1,20 @@
-"""The supervision loop: one readable loop that owns every slot.
+"""The supervisor: the composition root that owns the slots, the sockets and the loop.
 
 Shape (gunicorn's arbiter, nginx's master that owns the listeners):
 
     start:  runtime dir (lock, stale files) → listeners (all slots, before
             any worker) → ZeroMQ sockets → spawn every slot
     loop:   every tick (≤ 0.2 s, woken early by SIGCHLD and messages):
-            reap exits → restart due slots → watchdog (hangs, boot timeouts,
-            kill escalation) → verify bindings → readiness
-    stop:   readiness off (/readyz 503) → server.lb_grace while balancers
-            notice → accept queues taken → Stop to every worker (graceful)
-            → wait → SIGKILL what remains → close listeners → release the
-            runtime dir
+            reap → restart due / readiness → guard (watchdog, verify, limits,
+            memory) → route (steer, rescue) → report (systemd, stats)
+    stop:   ``stopseq``: readiness off → lb grace → accept queues → Stop → kill
 
-Signal handlers only set flags (run in the event loop via add_signal_handler).
+The roles live in their own modules and are composed here: ``lifecycle``
+(spawn/reap/backoff/watchdog/verify), ``channel`` (worker control channel),
+``events`` (PUB stream), ``stopseq``, ``reload``, ``irqstart``, ``notify``,
+``operations`` and the ops verbs (``ops``, ``ops_cache``) through the
+``SlotControl``/``OpsTarget`` protocols.  Signal handlers only enqueue (a flag,
+a wake-up, or an ops request: SIGHUP is ``reload`` on the audited ops path).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import signal
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
 import structlog
 import zmq
@@ -31,11 +33,10 @@ import zmq.asyncio
 
 from numaserve.config import Config
 from numaserve.control import messages as m
-from numaserve.control.checks import heartbeat_problem, stats_problem
 from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
-from numaserve.listeners import ListenerSet, accept_queue_depth, open_listeners
-from numaserve.placement import Plan
+from numaserve.net.listeners import ListenerSet, accept_queue_depth, open_listeners
+from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.topology.model import Topology
 from numaserve.runtime import (
     AUDIT_LOG,
@@ -54,63 +55,37 @@ from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.frontdoor import FrontDoor, bind_tcp, bind_unix
 from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
-from numaserve.supervisor.lbgrace import GraceDecision, ProbeClock, decide_lb_grace
-from numaserve.supervisor import exits as X
-from numaserve.supervisor.leakwatch import LeakWatch, read_statm_rss
+from numaserve.supervisor.lbgrace import ProbeClock
+from numaserve.supervisor.leakwatch import LeakWatch
+from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-exported)
+    EXIT_ERROR,
+    EXIT_FORCED,
+    EXIT_NO_SLOT,
+    EXIT_OK,
+    EXIT_USAGE,
+    Lifecycle,
+)
 from numaserve.supervisor.limits import LimitsManager
-from numaserve.supervisor.notify import Notifier
+from numaserve.supervisor.notify import Notifier, status_line
 from numaserve.supervisor.operations import Operation, Operations
+from numaserve.supervisor.opstcp import bind_curve_router
+from numaserve.supervisor import irqstart
+from numaserve.supervisor.channel import WorkerChannel
+from numaserve.supervisor.workermsgs import WorkerMessageHandler
+from numaserve.supervisor.cmdprobe import ExternalReadiness
+from numaserve.supervisor.events import EventStream
+from numaserve.supervisor.reload import load_for_reload
 from numaserve.supervisor.rescue import Rescuer
+from numaserve.supervisor.stopseq import ACCEPT_SETTLE_MAX_S, StopSequence  # noqa: F401  (re-exported)
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
 
 log = structlog.get_logger("numaserve.supervisor")
 
-# Exit statuses of `numaserve start` (documented in README).
-EXIT_OK = 0              # graceful stop, every worker finished in time
-EXIT_ERROR = 1           # fatal runtime error
-EXIT_USAGE = 2           # bad config / arguments (raised before start)
-EXIT_NO_SLOT = 3         # no slot could start (e.g. the app cannot import)
-EXIT_FORCED = 4          # stopped, but workers had to be killed (timeout or second signal)
-
-WORKER_EXIT_APP_LOAD = 3       # numaserve.worker.main.EXIT_APP_LOAD_FAILED
-LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.launch: binding or exec failed
-LAUNCH_EXIT_NOT_FOUND = 127
-
 TICK = 0.2
 OPS_RO_BACKEND = "ops-ro-backend.sock"    # libzmq side of the read-only front door
 OPS_TCP_BACKEND = "ops-tcp-backend.sock"  # libzmq (CURVE) side of the TCP front door
 EVENTS_BACKEND = "events-backend.sock"    # libzmq PUB behind the events.sock front door
-#: After lb_grace, how long the workers may take to accept what is queued before
-#: they are told to stop (a connection left in a listener at close is reset).
-ACCEPT_SETTLE_MAX_S = 5.0
-
-
-def process_frozen(pid: int) -> bool:
-    """Stopped by a signal (SIGSTOP/SIGTSTP: state T) or a tracer (t), not hung by itself."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
-    if code == WORKER_EXIT_APP_LOAD:
-        return "exit 3 (app failed to load)"
-    if code == LAUNCH_EXIT_BIND_FAILED:
-        return "exit 126 (binding or exec failed in the launcher)"
-    if code == LAUNCH_EXIT_NOT_FOUND:
-        return "exit 127 (command not found)"
-    return f"exit {code}"
 
 
 class Supervisor:
@@ -138,21 +113,24 @@ class Supervisor:
         self.slots: dict[int, S.SlotState] = {
             p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plan.slots
         }
+        self.wake = asyncio.Event()
+        self.started = time.monotonic()
+        self.lifecycle = Lifecycle(cfg, self.slots, self.policy, spawn_worker=self._spawn_process, wake=self.wake,
+                                   started=self.started, on_spawn_error=self._note_spawn_error,
+                                   on_exit=self._stop_probe)
+        self.cmd_ready = ExternalReadiness(self, self.lifecycle, lambda: self.steering, lambda: self.listeners)
         self.limits = LimitsManager(self)
-        self.leakwatch = LeakWatch(self)
+        self.leakwatch = LeakWatch(self, self.operations)
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
         self.rescuer = Rescuer()
-        self._probes: dict[int, asyncio.Task[None]] = {}   # id(worker) -> its readiness probe loop
         self._shared_next = 0.0                             # takeover: next look for other owners
         self._discovery: asyncio.Task[None] | None = None
         self._ran = False
-        self._oom_seen = X.oom_kill_count()                 # to tell an OOM kill from an operator's kill -9
         self.irq_status: dict[str, Any] | None = None
         self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
-        self.ctl: zmq.asyncio.Socket | None = None
         self.ops: zmq.asyncio.Socket | None = None
         self.ops_ro: zmq.asyncio.Socket | None = None
         self.ops_tcp: zmq.asyncio.Socket | None = None
@@ -162,32 +140,21 @@ class Supervisor:
         self.fdwatch: fdbudget.FdWatch | None = None
         self.fd_caps: fdbudget.CapsPlan | None = None
         self.ops_limiter = PeerRateLimiter(cfg.ops.rate_limit, cfg.ops.rate_burst)
-        self.rejected: dict[int, int] = {}        # per slot: control messages refused (forged/unverified)
-        self._reject_logged: dict[tuple[int, str], float] = {}
         self.audit = AuditLog(
             __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
         )
-        self.pub: zmq.asyncio.Socket | None = None
-        self.started = time.monotonic()
+        self.events = EventStream()
+        self._event_sink = self.events.sink
         self.state = "starting"
-        self.stopping = False
-        self.stop_phase: str | None = None        # lb_grace -> accept_queue -> draining
-        self.lb_grace_until: float | None = None
-        self._stop_task: asyncio.Task[None] | None = None
         self.readyz_probes = ProbeClock()         # the admin app notes every /readyz
-        self.stop_deadline: float | None = None
-        self.fast_stop = False
-        self.forced_kills = False
-        self.exit_code = EXIT_OK
-        self.fatal: str | None = None
-        self.all_ready_logged = False
-        self.bad_messages = 0
-        self._acks: dict[tuple[str, int, int], asyncio.Future[m.Ack]] = {}
-        # settings every worker must have (cache version, limits ...): replayed to
-        # each new worker right after its Hello, so it starts at the current epoch
-        self.sticky: dict[str, dict[str, Any]] = {}
-        self.wake = asyncio.Event()
+        self.channel = WorkerChannel(self.slots)
+        self.sticky = self.channel.sticky          # OpsTarget: the cache epoch lives here
+        # late-bound: a test may replace _signal on the instance
+        self.messages = WorkerMessageHandler(self, self.lifecycle, self.channel, on_hello=self.limits.on_hello,
+                                             signal=lambda w, sig: self._signal(w, sig))
         self.notifier = Notifier()
+        self.stopper = StopSequence(self, self.lifecycle, self.notifier, self.readyz_probes,
+                                    close_listeners=lambda: self.listeners.close())
         from numaserve.log import add_event_sink
 
         add_event_sink(self._event_sink)  # every supervisor log event also goes on the PUB stream
@@ -195,8 +162,8 @@ class Supervisor:
         self.admin: AdminHandle | None = None
         self.admin_sock: Any = None               # bound in open(), served from run()
         self.last_status_line = ""
-        self._last_stats_pub = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
+        self._signal_requests: set[asyncio.Task[Any]] = set()   # SIGHUP's ops requests in flight
 
     # ------------------------------------------------------------------ start
 
@@ -230,10 +197,10 @@ class Supervisor:
         self.ctx = zmq.asyncio.Context()
         gid = self.runtime.share_with_group(self.cfg.ops.readonly_group) if self.cfg.ops.readonly_group else None
         with tight_umask():
-            self.ctl = self._bind(zmq.ROUTER, CONTROL_SOCKET)
+            self.channel.sock = self._bind(zmq.ROUTER, CONTROL_SOCKET)
             self.ops = self._bind(zmq.ROUTER, OPS_SOCKET)
             self.ops_ro = self._bind(zmq.ROUTER, OPS_RO_BACKEND)
-            self.pub = self._bind(zmq.PUB, EVENTS_BACKEND)
+            self.events.pub = self._bind(zmq.PUB, EVENTS_BACKEND)
             ro_sock = bind_unix(str(self.runtime.path / OPS_RO_SOCKET))
             events_sock = bind_unix(str(self.runtime.path / EVENTS_SOCKET))
         if gid is not None:
@@ -257,54 +224,12 @@ class Supervisor:
         )
 
     def _apply_irqs(self) -> None:
-        """``[irq] apply_at_start``: steer NIC IRQs onto their nodes' CPUs; restored at exit.
-
-        A refusal (irqbalance running in refuse mode) or per-IRQ failures do not
-        stop serving: they are logged with the fix and shown in status.
-        """
-        from numaserve.irq import IrqbalanceConflict, apply_plan, default_state_file, plan_irqs
-
-        if not self.cfg.irq.apply_at_start or self.topology is None:
-            return
-        settings = self.cfg.irq
-        state_file = default_state_file(settings)
-        try:
-            plan = plan_irqs(self.topology, settings, reserved=getattr(self.plan, "irq_cpus", None) or None)
-            result = apply_plan(plan, root=self.cfg.placement.sysfs_root, state_file=state_file)
-        except IrqbalanceConflict as e:
-            self.irq_status = {"applied": False, "reason": str(e)}
-            log.error("irq_steering_refused", reason=str(e))
-            return
-        except (OSError, NumaserveError) as e:
-            self.irq_status = {"applied": False, "reason": str(e)}
-            log.error("irq_steering_failed", reason=str(e))
-            return
-        self.irq_state_file = state_file
-        failed = [r.to_json() for r in result.failed]
-        self.irq_status = {
-            "applied": True,
-            "irqs": len(result.irqs),
-            "failed": failed,
-            "warnings": list(result.warnings) + list(plan.warnings),
-            "state_file": state_file,
-            "placement": {str(e.irq): list(e.target) for e in plan.entries},
-        }
-        (log.warning if failed else log.info)(
-            "irq_steering_applied", irqs=len(result.irqs), failed=len(failed), state_file=state_file
-        )
+        self.irq_status, self.irq_state_file = irqstart.apply_at_start(self.cfg, self.topology, self.plan)
 
     def _restore_irqs(self) -> None:
-        from numaserve.irq import restore
-
-        if self.irq_state_file is None:
-            return
-        try:
-            res = restore(root=self.cfg.placement.sysfs_root, state_file=self.irq_state_file)
-            log.info("irq_steering_restored", irqs=len(res.irqs), failed=len(res.failed))
-        except (OSError, NumaserveError) as e:
-            log.error("irq_restore_failed", reason=str(e), fix="numaserve irq restore --state-file "
-                      + self.irq_state_file)
-        self.irq_state_file = None
+        if self.irq_state_file is not None:
+            irqstart.restore_at_exit(self.cfg, self.irq_state_file)
+            self.irq_state_file = None
 
     def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
         assert self.ctx is not None
@@ -336,38 +261,11 @@ class Supervisor:
                                         max_connections=plan.caps["ops-tcp"], idle_timeout=idle))
 
     def _bind_curve_tcp(self) -> zmq.asyncio.Socket:
-        """Remote ops over TCP: CURVE encryption + client keys authorized by file.
-
-        libzmq's CURVE socket is bound on a private ipc path; the TCP listener
-        itself is a ``FrontDoor`` (bounded connections) that splices to it.
-        """
-        import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
-
-        from numaserve.supervisor.curvekeys import AuthorizedKeys
-
+        """Remote ops over TCP: libzmq's CURVE socket on a private ipc path (the TCP FrontDoor splices to it)."""
         assert self.ctx is not None
-        o = self.cfg.ops
-        try:
-            public, secret = zmq.auth.load_certificate(o.curve_secret_key)
-        except (OSError, ValueError) as e:
-            raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: cannot load: {e}") from None
-        if secret is None:
-            raise NumaserveError(f"ops.curve_secret_key {o.curve_secret_key}: holds no secret key")
-        if not os.path.isdir(o.curve_authorized_keys):
-            raise NumaserveError(f"ops.curve_authorized_keys {o.curve_authorized_keys}: not a directory")
-        # The ZAP handler runs in its own thread on a sync shadow of our context
-        # (same libzmq context, so it authenticates our sockets), independent of
-        # the event loop, which does not exist yet when listeners are opened.
-        self.curve_keys = AuthorizedKeys(o.curve_authorized_keys)
-        self.curve_keys.load()
-        self.authenticator = ThreadAuthenticator(zmq.Context.shadow(self.ctx.underlying))
-        self.authenticator.start()
-        self.authenticator.configure_curve_callback(domain="*", credentials_provider=self.curve_keys)
         with tight_umask():
-            sock = cp.bind_socket(self.ctx, zmq.ROUTER, self.runtime.endpoint(OPS_TCP_BACKEND),
-                                  curve_secretkey=secret, curve_publickey=public, curve_server=True)
-        log.info("ops_tcp_listening", endpoint=o.tcp_endpoint, auth="curve")
+            sock, self.curve_keys, self.authenticator = bind_curve_router(
+                self.ctx, self.cfg.ops, self.runtime.endpoint(OPS_TCP_BACKEND))
         return sock
 
     def reload_curve_keys(self) -> None:
@@ -377,12 +275,28 @@ class Supervisor:
             self.curve_keys.load()
 
     async def run(self) -> int:
+        """Signals in, servers up, every slot spawned; tick until the stop finished; shut down."""
+        self._install_signal_handlers()
+        await self._start_servers()
+        self._spawn_all()
+        try:
+            while not self._tick(time.monotonic()):
+                await self._sleep()
+        finally:
+            await self._shutdown()
+        return self._exit_status()
+
+    def _install_signal_handlers(self) -> None:
+        """Handlers only enqueue: set flags, wake the loop, or start an ops request."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         loop.add_signal_handler(signal.SIGCHLD, self.wake.set)
         loop.set_exception_handler(self._loop_exception)
+
+    async def _start_servers(self) -> None:
+        """The worker channel, the ops sockets, the front doors and the admin endpoint."""
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="control"),
             asyncio.create_task(self._ops_loop(self.ops, "ipc"), name="ops"),
@@ -400,57 +314,76 @@ class Supervisor:
             except NumaserveError as e:  # serving matters more than metrics: say so loudly, go on
                 log.error("admin_failed", error=str(e))
             self.admin_sock = None
+
+    def _spawn_all(self) -> None:
         now = time.monotonic()
         self._ran = True
         for slot in self.slots.values():
-            self._start_worker(slot, now)
+            self.start_worker(slot, now)
+
+    def _tick(self, now: float) -> bool:
+        """One pass of the supervision loop; True once the stop has finished."""
+        self.heartbeat.beat()
+        self.lifecycle.reap(now)
+        if self.stopping:
+            if self.stopper.progress():
+                return True
+        else:
+            self.lifecycle.restart_due(now)
+            self.lifecycle.check_boot_failure()
+            if self.fatal:  # nothing is serving: no balancer to wait for
+                self._begin_stop("fatal: " + self.fatal, fast=False, lb_grace=False)
+                return self._tick(time.monotonic())
+            self._readiness(now)
+        self._guard(now)
+        self._route(now)
+        self._report(now)
+        return False
+
+    def _guard(self, now: float) -> None:
+        """Hangs and deadlines, bindings, limits, memory and fds."""
+        self.lifecycle.watchdog(now)
+        self.lifecycle.verify(now)
+        self.limits.tick(now)
+        if now - self._last_mem >= 1.0:
+            self._last_mem = now
+            self.leakwatch.tick(now)
+            if self.fdwatch is not None:
+                self.fdwatch.tick()
+
+    def _route(self, now: float) -> None:
+        """New connections to the serving slots; stranded ones handed over; shared-port watch."""
+        self.steer()
+        self._rescue()
+        self._check_shared_port(now)
+
+    def _report(self, now: float) -> None:
+        self._notify(now)
+        self._publish_stats(now)
+
+    async def _sleep(self) -> None:
+        """Until the next tick (<= TICK), or earlier when SIGCHLD or a message wakes the loop."""
+        self.wake.clear()
         try:
-            while True:
-                self.heartbeat.beat()
-                now = time.monotonic()
-                self._reap(now)
-                if self.stopping:
-                    self._stop_progress(now)
-                    if not any(True for s in self.slots.values() for _ in s.workers()):
-                        break
-                else:
-                    self._restart_due(now)
-                    self._check_boot_failure()
-                    if self.fatal:  # nothing is serving: no balancer to wait for
-                        self._begin_stop("fatal: " + self.fatal, fast=False, lb_grace=False)
-                        continue
-                    self._readiness(now)
-                self._watchdog(now)
-                self._verify(now)
-                self.limits.tick(now)
-                if now - self._last_mem >= 1.0:
-                    self._last_mem = now
-                    self.leakwatch.tick(now)
-                    if self.fdwatch is not None:
-                        self.fdwatch.tick()
-                self._steer()
-                self._rescue()
-                self._check_shared_port(now)
-                self._notify(now)
-                self._publish_stats(now)
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), TICK)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            extra = list(self._probes.values()) + ([self._discovery] if self._discovery else []) + \
-                ([self._stop_task] if self._stop_task else [])
-            for t in self._tasks + extra:
-                t.cancel()
-            await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
-            await self.rescuer.close()
-            for door in self.doors:
-                await door.stop()
-            if self.admin is not None:
-                await self.admin.stop()
-                self.admin = None
-            self.close()
+            await asyncio.wait_for(self.wake.wait(), TICK)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _shutdown(self) -> None:
+        extra = list(self.cmd_ready.tasks.values()) + list(self._signal_requests) + \
+            ([self._discovery] if self._discovery else []) + ([self.stopper.task] if self.stopper.task else [])
+        for t in self._tasks + extra:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
+        await self.rescuer.close()
+        for door in self.doors:
+            await door.stop()
+        if self.admin is not None:
+            await self.admin.stop()
+            self.admin = None
+        self.close()
+
+    def _exit_status(self) -> int:
         if self.fatal:
             return self.exit_code if self.exit_code != EXIT_OK else EXIT_ERROR
         return EXIT_FORCED if self.forced_kills else EXIT_OK
@@ -477,7 +410,7 @@ class Supervisor:
         self.doors = []
         if self.fdwatch is not None:
             self.fdwatch.close()
-        for sock in (self.ctl, self.ops, self.ops_ro, self.ops_tcp, self.pub):
+        for sock in (self.channel.sock, self.ops, self.ops_ro, self.ops_tcp, self.events.pub):
             if sock is not None:
                 sock.close(0)
         if self.authenticator is not None:
@@ -499,30 +432,33 @@ class Supervisor:
 
     # ---------------------------------------------------------------- workers
 
-    def _spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
-        """Start the slot's next generation (raises OSError/NumaserveError)."""
-        slot.generation += 1
-        fds = self.listeners.by_slot[slot.plan.slot]
+    def _spawn_process(self, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
+        """The spawn seam: one slot plan + generation -> a running, bound worker (raises OSError/NumaserveError)."""
+        fds = self.listeners.by_slot[plan.slot]
         token = workerauth.new_token()
         popen, external, env = spawn(
-            self.cfg, slot.plan, slot.generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
+            self.cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
-            node_cpus=self._node_cpus(slot.plan.node), token=token,
+            node_cpus=self._node_cpus(plan.node), token=token,
         )
-        w = S.WorkerProc(generation=slot.generation, popen=popen, started=now, external=external, env=env,
+        w = S.WorkerProc(generation=generation, popen=popen, started=now, external=external, env=env,
                          token=None if external else token)
         log.info(
             "spawn",
-            slot=slot.plan.slot,
-            node=slot.plan.node,
-            generation=slot.generation,
+            slot=plan.slot,
+            node=plan.node,
+            generation=generation,
             pid=popen.pid,
-            cpus=list(slot.plan.cpus),
-            mempolicy=slot.plan.mempolicy,
-            memory_nodes=list(slot.plan.memory_nodes),
+            cpus=list(plan.cpus),
+            mempolicy=plan.mempolicy,
+            memory_nodes=list(plan.memory_nodes),
             external=external,
         )
         return w
+
+    def _note_spawn_error(self, e: BaseException) -> None:
+        if fdbudget.is_fd_exhaustion(e) and self.fdwatch is not None:
+            self.fdwatch.note_exhaustion("spawn", e)
 
     def _node_cpus(self, node: int) -> tuple[int, ...]:
         if self.topology is None:
@@ -532,547 +468,75 @@ class Supervisor:
         except KeyError:
             return ()
 
-    def _start_worker(self, slot: S.SlotState, now: float) -> None:
-        try:
-            slot.worker = self._spawn_generation(slot, now)
-        except (OSError, NumaserveError) as e:
-            log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
-            if fdbudget.is_fd_exhaustion(e) and self.fdwatch is not None:
-                self.fdwatch.note_exhaustion("spawn", e)
-            self._after_exit(slot, now, 0.0, f"spawn failed: {e}", kind=X.BOOT)
-            return
-        slot.state = S.STARTING
-        slot.next_retry = None
+    # SlotControl: what operations, the leak watch and the limits manager may do to slots
 
-    def _reap(self, now: float) -> None:
-        for slot in self.slots.values():
-            for w in list(slot.workers()):
-                code = w.popen.poll()
-                if code is not None:
-                    self._on_exit(slot, w, code, now)
+    def start_worker(self, slot: S.SlotState, now: float) -> None:
+        self.lifecycle.start_worker(slot, now)
 
-    def _on_exit(self, slot: S.SlotState, w: S.WorkerProc, code: int, now: float) -> None:
-        uptime = now - w.started
-        cause = describe_exit(code)
-        reason = w.kill_reason or (f"goodbye: {w.goodbye}; {cause}" if w.goodbye and code != 0 else cause)
-        w.exit_code, w.exit_cause = code, reason
-        w.exit_evt.set()
-        w.ready_evt.set()  # wake anyone waiting for readiness: it will not come
-        self._stop_probe(w)
-        slot.requests_before += w.stats.requests if w.stats else 0
-        slot.totals_before.add_stats(w.stats)
-        expected = self.stopping or (w.stop_sent is not None and not w.kill_reason)
-        if w in slot.retiring:
-            slot.retiring.remove(w)
-            log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause,
-                     role="retiring")
-            return
-        if w is slot.incoming:
-            slot.incoming = None
-            log.warning("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=reason,
-                        role="incoming")
-            return
-        slot.worker = None
-        slot.last_exit = cause
-        if expected:
-            log.info("worker_exit", slot=slot.plan.slot, pid=w.pid, generation=w.generation, exit=cause)
-            slot.state = S.DRAINED if slot.drained else S.STOPPED
-            return
-        oom = False
-        if code == -signal.SIGKILL and w.kill_reason is None:
-            count = X.oom_kill_count()
-            oom = count is not None and self._oom_seen is not None and count > self._oom_seen
-            self._oom_seen = count
-        verdict = X.classify_exit(code=code, was_ready=w.ready is not None, we_stopped=w.stop_sent is not None,
-                                  we_killed=w.kill_reason is not None, stopped_from_outside=w.stopped_outside,
-                                  goodbye=w.goodbye, oom_killed=oom)
-        failed_reason = (w.goodbye or cause) if code == WORKER_EXIT_APP_LOAD and w.ready is None else None
-        log.warning(
-            "worker_crash",  # every unexpected exit (the event consumers know); ``kind`` says whose fault
-            slot=slot.plan.slot,
-            pid=w.pid,
-            generation=w.generation,
-            exit=cause,
-            reason=reason,
-            kind=verdict.kind,
-            why=verdict.why,
-            uptime_s=round(uptime, 3),
-        )
-        self._after_exit(slot, now, uptime, reason, kind=verdict.kind, code=code, failed_reason=failed_reason)
+    def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
+        return self.lifecycle.spawn_generation(slot, now)
 
-    def _after_exit(
-        self, slot: S.SlotState, now: float, uptime: float, reason: str, *, kind: str,
-        code: int | None = None, failed_reason: str | None = None,
-    ) -> None:
-        """Account for an unexpected exit (``kind`` from ``supervisor.exits``) and
-        decide: restart after a delay, or mark the slot failed (retried later)."""
-        external = kind == X.EXTERNAL
-        delay, looping = slot.restart.record_exit(now, uptime, external=external)
-        slot.restarts += 1
-        slot.last_restart_reason = reason
-        slot.last_exit_kind = kind
-        cls = S.restart_reason_class(reason)
-        totals = slot.totals_before
-        totals.restarts_by_reason[cls] = totals.restarts_by_reason.get(cls, 0) + 1
-        totals.exits_by_kind[kind] = totals.exits_by_kind.get(kind, 0) + 1
-        boot_failure = kind == X.BOOT and code in (WORKER_EXIT_APP_LOAD, LAUNCH_EXIT_BIND_FAILED, LAUNCH_EXIT_NOT_FOUND)
-        # At start-up (no slot has served yet) a deterministic boot failure is
-        # final for the slot, so a broken app fails fast with its reason; a
-        # retry of a failed slot gets one attempt before it is failed again.
-        never_served = not any(s.ever_ready for s in self.slots.values())
-        if looping or (boot_failure and never_served) or (slot.retrying and not external):
-            self._fail_slot(slot, now, failed_reason or reason)
-            return
-        slot.state = S.BACKOFF
-        slot.next_start = now + delay
-        log.info("backoff", slot=slot.plan.slot, delay_s=round(delay, 3), consecutive=slot.restart.consecutive,
-                 kind=kind)
+    def mark_ready(self, slot: S.SlotState, now: float) -> None:
+        self.lifecycle.mark_ready(slot, now)
 
-    def _fail_slot(self, slot: S.SlotState, now: float, reason: str) -> None:
-        """Out of service until ``supervisor.failed_retry_interval`` passes (or ``restart --slot``)."""
-        slot.state = S.FAILED
-        slot.failed_reason = reason
-        slot.retrying = False
-        slot.next_retry = now + slot.restart.retry_delay()
-        log.error(
-            "slot_failed",
-            slot=slot.plan.slot,
-            reason=reason,
-            crashes_in_window=len(slot.restart.crashes),
-            window_s=self.policy.loop_window,
-            retry_in_s=round(slot.next_retry - now, 1),
-        )
+    def kill(self, w: S.WorkerProc, now: float) -> None:
+        self.lifecycle.kill(w, now)
 
-    def _check_boot_failure(self) -> None:
-        """No slot could ever start: every slot failed before any was ever ready.
+    def _signal(self, w: S.WorkerProc, sig: int) -> None:
+        self.lifecycle.signal(w, sig)
 
-        Once any slot has served, the supervisor never gives up: failed slots
-        are retried on ``supervisor.failed_retry_interval``.
-        """
-        states = [s.state for s in self.slots.values()]
-        if states and all(st == S.FAILED for st in states) and not any(s.ever_ready for s in self.slots.values()):
-            reasons = sorted({s.failed_reason or "unknown" for s in self.slots.values()})
-            self.fatal = "no slot could start: " + "; ".join(reasons)
-            self.exit_code = EXIT_NO_SLOT
+    def unresponsive_after(self) -> float:
+        return self.lifecycle.unresponsive_after()
 
-    def _restart_due(self, now: float) -> None:
-        for slot in self.slots.values():
-            if slot.worker is not None or slot.drained:
-                continue
-            if slot.state == S.BACKOFF and now >= slot.next_start:
-                self._start_worker(slot, now)
-            elif slot.state == S.FAILED and slot.next_retry is not None and now >= slot.next_retry:
-                log.info("slot_retry", slot=slot.plan.slot, after=slot.failed_reason)
-                slot.retrying = True
-                self._start_worker(slot, now)
+    # the loop's state lives in the lifecycle; these keep the supervisor's names
+    stopping = property(lambda self: self.lifecycle.stopping)
+    forced_kills = property(lambda self: self.lifecycle.forced_kills)
+    fatal = property(lambda self: self.lifecycle.fatal)
+    exit_code = property(lambda self: self.lifecycle.exit_code)
 
     def _readiness(self, now: float) -> None:
+        self.state = self.lifecycle.readiness(now, self.state)
         slots = list(self.slots.values())
-        if all(s.state == S.READY for s in slots):
-            if not self.all_ready_logged:
-                self.all_ready_logged = True
-                log.info("ready", slots=len(slots), startup_s=round(now - self.started, 3))
-            self.state = "running"
-        elif self.state == "starting":
-            # boot settled with some slots failed and the rest serving: that is
-            # a state to report (READY=1, STATUS, /readyz), not to wait out
-            if any(s.state == S.READY for s in slots) and all(s.state in (S.READY, S.FAILED) for s in slots):
-                self.state = "degraded"
-                log.warning("ready_degraded", serving=[s.plan.slot for s in slots if s.state == S.READY],
-                            failed={str(s.plan.slot): s.failed_reason for s in slots if s.state == S.FAILED},
-                            startup_s=round(now - self.started, 3))
-        elif self.state == "running":
-            self.state = "degraded"
         for s in slots:
             for w in (s.worker, s.incoming):
                 if w and w.external and w.ready is None and w.popen.poll() is None:
-                    self._external_readiness(s, w, now)
-
-    def _external_readiness(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
-        """External commands have no control channel: the supervisor probes the
-        slot (``[cmd] ready``) until the new process accepts (and answers)."""
-        from numaserve.supervisor.cmdready import parse_ready
-
-        spec = parse_ready(self.cfg.cmd.ready)
-        if spec.kind == "alive" or self.steering is None or self.steering.paused:
-            if now - w.started >= min(1.0, self.cfg.supervisor.ready_timeout):
-                w.last_beat = now
-                self._on_ready(slot, w, now)
-            return
-        if id(w) not in self._probes:
-            self._probes[id(w)] = asyncio.get_running_loop().create_task(
-                self._probe_loop(slot, w, spec), name=f"probe-{slot.plan.slot}-{w.generation}")
-
-    async def _probe_loop(self, slot: S.SlotState, w: S.WorkerProc, spec: Any) -> None:
-        from numaserve.supervisor.probe import probe_slot, process_tree
-
-        assert self.steering is not None
-        lst = self.listeners.by_slot[slot.plan.slot][0]
-        c = self.cfg.cmd
-        try:
-            while w.ready is None and w.popen.poll() is None and not self.stopping:
-                res = await probe_slot(self.steering, lst, slot.plan.slot, lambda: process_tree(w.pid), spec,
-                                       c.probe_timeout)
-                if res.note != w.probe_note:
-                    log.debug("probe", slot=slot.plan.slot, pid=w.pid, ok=res.ok, note=res.note)
-                w.probe_note = res.note
-                if res.ok and w.popen.poll() is None:
-                    now = time.monotonic()
-                    w.last_beat = now
-                    self._on_ready(slot, w, now)
-                    self.wake.set()
-                    return
-                await asyncio.sleep(c.probe_interval)
-        finally:
-            self._probes.pop(id(w), None)
-
-    def _stop_probe(self, w: S.WorkerProc) -> None:
-        t = self._probes.pop(id(w), None)
-        if t is not None:
-            t.cancel()
-
-    def _on_ready(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
-        if w.ready is not None:
-            return
-        w.ready = now
-        w.ready_evt.set()
-        if w is slot.worker and not self.stopping and w.stop_sent is None:
-            self._mark_ready(slot, now)
-        elif w is slot.incoming:
-            log.info("worker_ready", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
-                     boot_s=round(now - w.started, 3), role="incoming",
-                     **({"probe": w.probe_note} if w.external else {}))
-
-    def _mark_ready(self, slot: S.SlotState, now: float) -> None:
-        slot.state = S.READY
-        slot.ever_ready = True
-        slot.failed_reason = None
-        slot.next_retry = None
-        if slot.retrying:  # a failed slot came back: its crash history is over
-            slot.retrying = False
-            slot.restart.reset()
-        w = slot.worker
-        log.info(
-            "worker_ready",
-            slot=slot.plan.slot,
-            pid=w.pid if w else None,
-            generation=w.generation if w else None,
-            boot_s=round(now - w.started, 3) if w else None,
-            **({"probe": w.probe_note} if w and w.external else {}),
-        )
-
-    # --------------------------------------------------------------- watchdog
-
-    def _watchdog(self, now: float) -> None:
-        sup = self.cfg.supervisor
-        for slot in self.slots.values():
-            for w in list(slot.workers()):
-                if w.popen.poll() is not None or w.kill_sent is not None:
-                    continue
-                if w.abort_sent is not None:
-                    if now - w.abort_sent >= sup.abort_grace:
-                        log.warning("kill", slot=slot.plan.slot, pid=w.pid, reason="did not exit after SIGABRT")
-                        self._kill(w, now)
-                    continue
-                if w.stop_sent is not None:
-                    if now - w.stop_sent >= w.stop_deadline + sup.stop_timeout:
-                        log.warning("kill", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
-                                    reason=f"did not stop within {w.stop_deadline:g}s")
-                        self._kill(w, now)
-                        self.forced_kills = self.forced_kills or self.stopping
-                    continue
-                if self.stopping or w in slot.retiring:
-                    continue
-                self._responsiveness(slot, w, now)
-                reason = None
-                if w.ready is None and now - w.started > sup.ready_timeout:
-                    reason = f"not ready within {sup.ready_timeout:g}s"
-                    if w.external and w.probe_note:
-                        reason += f" (last probe: {w.probe_note})"
-                elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
-                    reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
-                if reason:
-                    w.stopped_outside = w.stopped_outside or process_frozen(w.pid)
-                    if w.stopped_outside:
-                        reason = f"frozen from outside (SIGSTOP): {reason}"
-                    w.kill_reason = reason
-                    w.abort_sent = now
-                    log.warning("hang", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
-                    # SIGABRT first (a Python worker dumps its stack via faulthandler);
-                    # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
-                    self._signal(w, signal.SIGABRT)
-
-    def unresponsive_after(self) -> float:
-        sup = self.cfg.supervisor
-        return sup.unresponsive_after or min(2.0 * sup.heartbeat_interval, sup.heartbeat_timeout)
-
-    def _responsiveness(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
-        """A serving worker that misses heartbeats leaves steering at once; the
-        kill (``heartbeat_timeout``) comes later and only if it stays silent."""
-        if w.ready is None or w.external or w.last_beat is None:
-            return
-        silent = now - w.last_beat
-        if silent > self.unresponsive_after():
-            if w.unresponsive_since is None:
-                w.unresponsive_since = now
-                w.stopped_outside = process_frozen(w.pid)
-                log.warning("unresponsive", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
-                            silent_s=round(silent, 3), frozen=w.stopped_outside,
-                            action="no new connections; queued ones handed to serving slots")
-                self.wake.set()
-        elif w.unresponsive_since is not None:
-            log.info("responsive_again", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
-                     away_s=round(now - w.unresponsive_since, 3))
-            w.unresponsive_since = None
-            w.stopped_outside = False
-
-    def _kill(self, w: S.WorkerProc, now: float) -> None:
-        self._signal(w, signal.SIGKILL)
-        w.kill_sent = now
-
-    def _signal(self, w: S.WorkerProc, sig: int) -> None:
-        try:
-            os.kill(w.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    # ----------------------------------------------------------------- verify
-
-    def _verify(self, now: float) -> None:
-        from numaserve.verify import check_placement, read_placement
-
-        interval = self.cfg.supervisor.verify_interval
-        for slot, w in [(sl, w) for sl in self.slots.values() for w in sl.workers()]:
-            if w.popen.poll() is not None:
-                continue
-            first = w.verified_at is None and (w.hello is not None or (w.external and now - w.started > 0.5))
-            due = w.verified_at is not None and interval > 0 and now - w.verified_at >= interval
-            if not (first or due):
-                continue
-            try:
-                observed = read_placement(w.pid)
-                ok, problems = check_placement(
-                    observed, cpus=slot.plan.cpus, mempolicy=slot.plan.mempolicy, nodes=slot.plan.memory_nodes
-                )
-                if slot.plan.memory_nodes:
-                    share = observed.remote_share(slot.plan.memory_nodes)
-                    w.remote_share = None if share is None else round(share, 4)
-            except (OSError, ValueError) as e:
-                ok, problems = False, [f"could not read /proc/{w.pid}: {e}"]
-            w.rss_bytes = read_statm_rss(w.pid) or w.rss_bytes
-            changed = w.verified != ok or w.verify_problems != problems
-            w.verified, w.verify_problems, w.verified_at = ok, problems, now
-            if changed:
-                if ok:
-                    log.info("binding_verified", slot=slot.plan.slot, pid=w.pid)
-                else:
-                    log.error("binding_mismatch", slot=slot.plan.slot, pid=w.pid, problems=problems)
+                    self.cmd_ready.check(s, w, now)
 
     # ---------------------------------------------------------------- control
 
+    def _stop_probe(self, w: S.WorkerProc) -> None:
+        self.cmd_ready.stop(w)
+
     async def _control_loop(self) -> None:
-        assert self.ctl is not None
-        await cp.serve_control(self, self.ctl)
+        await self.channel.serve(self)
 
     def count_bad(self, channel: str, why: str) -> None:
         """A malformed, unknown or refused message: counted (status: bad_messages) and dropped."""
-        self.bad_messages += 1
-        log.debug("bad_message", channel=channel, reason=why, total=self.bad_messages)
-
-    _bad = count_bad
-
-    def _reject(self, slot: S.SlotState, why: str, peer: PeerCred | None) -> None:
-        """A message for ``slot`` that its worker did not send: count, drop, say so (rate-limited)."""
-        self.count_bad("control", why)
-        n = slot.plan.slot
-        self.rejected[n] = self.rejected.get(n, 0) + 1
-        now = time.monotonic()
-        key = (n, why.split(":")[0][:40])
-        if now - self._reject_logged.get(key, -1e9) >= 10.0:
-            self._reject_logged[key] = now
-            log.warning("control_message_refused", slot=n, reason=why, sender=peer.to_json() if peer else None,
-                        refused_for_slot=self.rejected[n])
+        self.messages.count_bad(channel, why)
 
     def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
-        self._handle_worker_msg(identity, msg, peer)
+        self.messages.handle_worker_msg(identity, msg, peer)
 
-    def _handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
-        """Apply a worker's message, if it comes from the process spawned for its slot/generation.
-
-        Hello must carry the spawn token and come from the spawned pid (SO_PEERCRED);
-        later messages must come on the identity that said Hello, from that pid.
-        Anything else is counted and dropped; nothing here signals a pid a message names.
-        """
-        slot = self.slots.get(msg.slot)
-        w = slot.find(msg.generation) if slot is not None else None
-        if slot is None or w is None:
-            self._bad("control", f"message for unknown slot/generation {msg.slot}/{msg.generation}")
-            return
-        now = time.monotonic()
-        if isinstance(msg, m.Hello):
-            why = workerauth.check_hello(msg, expected_pid=w.pid, expected_token=w.token, peer=peer)
-            if why:
-                self._reject(slot, f"hello refused: {why}", peer)
-                return
-            if msg.protocol != m.PROTOCOL:
-                reason = f"control protocol {msg.protocol}, the supervisor speaks {m.PROTOCOL}"
-                self._reject(slot, f"hello refused: {reason}", peer)
-                if peer is not None or w.token is not None:
-                    # proven to be the process we spawned (kernel pid or token): end it with the reason,
-                    # rather than let it hang until the ready timeout
-                    w.kill_reason = reason
-                    self._signal(w, signal.SIGTERM)
-                return
-            w.identity = identity
-            w.hello = now
-            w.last_beat = now
-            w.placement = msg.placement
-            if msg.placement is not None and not msg.placement.ok:
-                log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
-            self.wake.set()
-            if self.stopping and w.stop_sent is None:
-                self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
-                return
-            self.limits.on_hello(slot, w)
-            for name, args in self.sticky.items():
-                cmd = m.Command(id=f"sticky-{name}-{uuid.uuid4().hex[:6]}", name=name, args=args)
-                asyncio.get_running_loop().create_task(self._send(w, cmd))
-            return
-        if w.identity is None or identity != w.identity:
-            self._reject(slot, f"{type(msg).__name__} before hello or from another identity", peer)
-            return
-        why = workerauth.check_sender(w.pid, peer)
-        if why:
-            self._reject(slot, f"{type(msg).__name__} {why}", peer)
-            return
-        if isinstance(msg, m.Heartbeat):
-            problem = heartbeat_problem(msg)
-            if problem:
-                self._bad("control", f"heartbeat: {problem}")
-                return
-            w.last_beat = now
-            w.loop_lag = msg.loop_lag
-            return
-        if isinstance(msg, m.Stats):
-            problem = stats_problem(msg)
-            if problem:
-                self._bad("control", f"stats: {problem}")
-                return
-            w.last_beat = now
-            w.stats = msg
-            if msg.rss_bytes:
-                w.rss_bytes = msg.rss_bytes
-            return
-        w.last_beat = now
-        if isinstance(msg, m.Ready):
-            self._on_ready(slot, w, now)
-            self.wake.set()
-        elif isinstance(msg, m.Goodbye):
-            w.goodbye = msg.reason[:500]
-            log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=w.goodbye)
-            self.wake.set()
-        elif isinstance(msg, m.Ack):
-            log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
-            fut = self._acks.pop((msg.ref, msg.slot, msg.generation), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-
-    async def _send(self, w: S.WorkerProc, msg: m.Msg) -> bool:
-        if w.identity is None or self.ctl is None:
-            return False
-        try:
-            await self.ctl.send_multipart([w.identity, m.encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
+    bad_messages = property(lambda self: self.messages.bad_messages)
+    rejected = property(lambda self: self.messages.rejected)
 
     async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]:
-        """Send one named command to one worker and wait for its Ack."""
-        slot = next(s for s in self.slots.values() if any(x is w for x in s.workers()))
-        cid = uuid.uuid4().hex[:12]
-        fut: asyncio.Future[m.Ack] = asyncio.get_running_loop().create_future()
-        self._acks[(cid, slot.plan.slot, w.generation)] = fut
-        await self._send(w, m.Command(id=cid, name=name, args=args))
-        try:
-            ack = await asyncio.wait_for(fut, timeout)
-            return {"ok": ack.ok, "detail": ack.detail}
-        except asyncio.TimeoutError:
-            return {"ok": False, "detail": f"no ack within {timeout:g}s"}
-        finally:
-            self._acks.pop((cid, slot.plan.slot, w.generation), None)
+        return await self.channel.broadcast_one(w, name, args, timeout=timeout)
 
     def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
-        """Fire-and-forget named command to one worker (its Ack is logged)."""
-        if w.identity is None or w.external or w.popen.poll() is not None:
-            return
-        cmd = m.Command(id=f"{name}-{uuid.uuid4().hex[:8]}", name=name, args=args)
-        asyncio.get_running_loop().create_task(self._send(w, cmd))
+        self.channel.send_command(w, name, args)
 
     async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
                         sticky: bool = False) -> dict[str, Any]:
-        """Send ``Command(name, args)`` to every live worker and wait for each Ack.
-
-        ``sticky``: remember it so workers started later get it too (settings
-        with an epoch). Returns per slot: pid, generation, ok, detail; a worker
-        that does not answer within ``timeout`` is reported, not waited for.
-        """
-        if sticky:
-            self.sticky[name] = dict(args)
-        cid = uuid.uuid4().hex[:12]
-        loop = asyncio.get_running_loop()
-        waits: list[tuple[S.SlotState, S.WorkerProc, asyncio.Future[m.Ack]]] = []
-        for slot in self.slots.values():
-            for w in (slot.worker, slot.incoming):
-                if w is None or w.identity is None or w.external or w.popen.poll() is not None:
-                    continue
-                fut: asyncio.Future[m.Ack] = loop.create_future()
-                self._acks[(cid, slot.plan.slot, w.generation)] = fut
-                await self._send(w, m.Command(id=cid, name=name, args=args))
-                waits.append((slot, w, fut))
-        results: dict[str, Any] = {}
-        if waits:
-            await asyncio.wait([f for _, _, f in waits], timeout=timeout)
-        for slot, w, fut in waits:
-            self._acks.pop((cid, slot.plan.slot, w.generation), None)
-            key = str(slot.plan.slot) if w is slot.worker else f"{slot.plan.slot}/incoming"
-            if fut.done():
-                ack = fut.result()
-                results[key] = {"pid": w.pid, "generation": w.generation, "ok": ack.ok, "detail": ack.detail}
-            else:
-                fut.cancel()
-                results[key] = {"pid": w.pid, "generation": w.generation, "ok": False,
-                                "detail": f"no ack within {timeout:g}s"}
-        return results
+        return await self.channel.broadcast(name, args, timeout=timeout, sticky=sticky)
 
     def publish(self, event: str, *, topic: bytes = b"event", **fields: Any) -> None:
-        """Events and stats on the PUB stream (``events.sock``): topic, then JSON."""
-        if self.pub is None:
-            return
-        try:
-            self.pub.send_multipart(
-                [topic, m.msgspec.json.encode({"event": event, "ts": time.time(), **fields})],
-                flags=zmq.NOBLOCK,
-            )
-        except zmq.ZMQError:
-            pass
-
-    EVENT_LOGGERS = ("numaserve.supervisor", "numaserve.operations", "numaserve.leak", "numaserve.limits",
-                     "numaserve.steering", "numaserve.ops", "numaserve.audit")
-
-    def _event_sink(self, event: dict[str, Any]) -> None:
-        if self.pub is None or event.get("logger") not in self.EVENT_LOGGERS:
-            return
-        try:
-            self.pub.send_multipart([b"event", m.msgspec.json.encode(event, enc_hook=str)], flags=zmq.NOBLOCK)
-        except (zmq.ZMQError, TypeError):
-            pass
+        self.events.publish(event, topic=topic, **fields)
 
     def _publish_stats(self, now: float) -> None:
-        if now - self._last_stats_pub < 1.0:
-            return
-        self._last_stats_pub = now
-        self.publish("stats", topic=b"stats", state=self.state, slots=self.slot_statuses(now))
+        if self.events.stats_due(now):
+            self.publish("stats", topic=b"stats", state=self.state, slots=self.slot_statuses(now))
 
     def slot_statuses(self, now: float) -> list[dict[str, Any]]:
         out = []
@@ -1108,72 +572,10 @@ class Supervisor:
         self.wake.set()
 
     def _begin_stop(self, reason: str, *, fast: bool, lb_grace: bool = True) -> None:
-        """Readiness goes off now (``stopping``: /readyz 503); the workers keep
-        serving through the lb grace, then take what is queued, then drain.
-        ``fast`` kills every worker (a second signal, ``stop --fast``)."""
-        now = time.monotonic()
-        first = not self.stopping
-        self.stopping = True
         self.state = "stopping"
-        if first:
-            log.info("stopping", reason=reason)
-            self.notifier.stopping(f"stopping: {reason}")
-        if fast:
-            self.fast_stop = True
-            if self._stop_task is not None:
-                self._stop_task.cancel()
-            for slot in self.slots.values():
-                for w in slot.workers():
-                    if w.popen.poll() is None and w.kill_sent is None:
-                        self._kill(w, now)
-                        self.forced_kills = True
-            return
-        if first:
-            grace = (decide_lb_grace(self.cfg.server.lb_grace, self.readyz_probes.age()) if lb_grace
-                     else GraceDecision(0.0, "nothing is serving: no balancer to wait for"))
-            log.info("lb_grace", seconds=grace.seconds, reason=grace.reason)
-            self._stop_task = asyncio.get_running_loop().create_task(self._stop_after_grace(grace.seconds),
-                                                                     name="stop")
+        self.stopper.begin(reason, fast=fast, lb_grace=lb_grace)
 
-    async def _stop_after_grace(self, grace: float) -> None:
-        try:
-            if grace > 0:
-                self.stop_phase = "lb_grace"
-                self.lb_grace_until = time.monotonic() + grace
-                await asyncio.sleep(grace)
-            # Workers still accept: let them take what the balancer sent before it
-            # noticed (steering is frozen from here on, so no slot is left out).
-            self.stop_phase = "accept_queue"
-            settle = min(ACCEPT_SETTLE_MAX_S, max(0.2, self.cfg.server.graceful_timeout / 4))
-            end = time.monotonic() + settle
-            while (queued := self._queued_on_serving_slots()) and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-            if queued:
-                log.warning("accept_queue_not_empty", connections=queued, waited_s=settle)
-        except Exception as e:  # never let a stop hang on its preamble
-            log.error("stop_preamble_failed", error=repr(e))
-        self.stop_phase = "draining"
-        now = time.monotonic()
-        for slot in self.slots.values():
-            if slot.worker is not None:
-                slot.state = S.STOPPING
-            for w in slot.workers():
-                if w.stop_sent is None and w.kill_sent is None:
-                    self._send_stop_to(slot, w, now, self.cfg.server.graceful_timeout, drain=False)
-        # Each worker closes its copy of its listener as it stops accepting; with
-        # ours closed too the socket goes away then, and the kernel refuses new
-        # connections (a balancer without health checks retries a refused
-        # connect safely) instead of queueing them until the final close resets them.
-        self.listeners.close()
-        self.wake.set()
-
-    def _queued_on_serving_slots(self) -> int:
-        """Connections waiting in the listeners of slots whose worker can still take them."""
-        return sum(accept_queue_depth(lst.sock) or 0
-                   for slot in self.slots.values() if slot.worker is not None and slot.worker.popen.poll() is None
-                   for lst in self.listeners.by_slot.get(slot.plan.slot, []))
-
-    def _send_stop_to(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
+    def send_stop(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
         """Ask one worker to finish in-flight work within ``deadline`` s and exit.
 
         ``drain``: Drain (it stops accepting at once) rather than Stop; both end
@@ -1185,15 +587,14 @@ class Supervisor:
         w.stop_deadline = deadline
         if w.identity is not None and not w.external:
             msg: m.Msg = (m.Drain if drain else m.Stop)(id=uuid.uuid4().hex[:12], deadline=deadline)
-            asyncio.get_running_loop().create_task(self._send(w, msg))
+            self.channel.send_soon(w, msg)
         elif w.external or w.hello is None:
             # no control channel (yet): an external command, or a worker still booting
             self._signal(w, signal.SIGTERM)
 
-    def _stop_progress(self, now: float) -> None:
-        for slot in self.slots.values():
-            if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED, S.DRAINED):
-                slot.state = S.STOPPED
+    def queued(self, slots: Iterable[int]) -> int:
+        """Connections waiting in these slots' listeners (SlotControl)."""
+        return sum(accept_queue_depth(lst.sock) or 0 for n in slots for lst in self.listeners.by_slot.get(n, []))
 
     def healthy_slots(self) -> list[int]:
         """Slots that should receive new connections: a worker is serving there
@@ -1215,9 +616,9 @@ class Supervisor:
         out["locality_share"] = round(local / (local + remote), 4) if local + remote else None
         return out
 
-    def _steer(self) -> None:
+    def steer(self) -> None:
         # during the lb grace the slots still serve: keep steering off dead ones
-        if self.steering is not None and (not self.stopping or self.stop_phase == "lb_grace"):
+        if self.steering is not None and (not self.stopping or self.stopper.phase == "lb_grace"):
             # while nothing serves yet, new connections wait on slots whose
             # worker is booting, never on one that failed or backs off
             booting = [s.plan.slot for s in self.slots.values()
@@ -1240,13 +641,12 @@ class Supervisor:
             return
         if peers:
             if st.paused is None:
-                from numaserve.portowners import owners
+                from numaserve.net.portowners import owners
 
                 table = owners(p.inode for p in peers)
                 who = sorted({f"pid {o.pid}" for p in peers for o in table.get(p.inode, [])}) or ["another user"]
-                st.paused = f"port shared with {', '.join(who)} (takeover): kernel hash over both owners"
+                st.pause(f"port shared with {', '.join(who)} (takeover): kernel hash over both owners")
                 log.warning("steering_paused", reason=st.paused, sockets=len(peers))
-                st._apply()
             return
         if st.paused is not None and (self._discovery is None or self._discovery.done()) and self._ran:
             self._discovery = asyncio.get_running_loop().create_task(self._discover_positions())
@@ -1266,14 +666,12 @@ class Supervisor:
             found = await discover_positions(first, len(self.slots), owner.get)
             if found is None:
                 log.info("steering_positions_unknown", address=first.address, retry_s=2.0)
-                st._applied = None  # our probes replaced the program: put back whatever we had
+                st.invalidate()  # our probes replaced the program: put back whatever we had
                 return
             maps.append(found)
-        st.group_pos = maps
-        st.paused = None
-        st._applied = None
+        st.resume(maps)
         log.info("steering_resumed", positions=[{str(k): v for k, v in sorted(m.items())} for m in maps])
-        self._steer()
+        self.steer()
 
     def stranded_slots(self) -> list[int]:
         """Slots whose queued connections nobody will accept soon: no worker
@@ -1302,16 +700,15 @@ class Supervisor:
     # ----------------------------------------------------------------- reload
 
     def _on_hup(self) -> None:
-        who = {"signal": "SIGHUP"}
-        try:
-            op = self.start_reload({"trigger": "SIGHUP"})
-        except NumaserveError as e:  # logged by start_reload
-            self.audit.record(who=who, channel="signal", verb="reload", args={}, op_id="", ok=False, result=str(e))
-            return
-        log.info("reload_requested", signal="SIGHUP", op=op.id)
-        op.on_finish.append(lambda o: self.audit.record(
-            who=who, channel="signal", verb="reload", args={}, op_id=o.id, ok=o.state == "succeeded",
-            result=f"operation {o.id} {o.state}: {o.result}"))
+        """SIGHUP is a ``reload`` ops request (trigger "sighup"): same path, same audit line as ``numaserve reload``."""
+        from numaserve.supervisor.ops import handle_ops_request
+
+        req = m.OpsRequest(verb="reload", args={"trigger": "sighup"}, id=f"sighup-{uuid.uuid4().hex[:8]}")
+        log.info("reload_requested", signal="SIGHUP", request=req.id)
+        task = asyncio.get_running_loop().create_task(
+            handle_ops_request(self, req, channel="signal", who={"signal": "SIGHUP"}), name="sighup")
+        self._signal_requests.add(task)
+        task.add_done_callback(self._signal_requests.discard)
 
     def start_reload(self, args: dict[str, Any]) -> Operation:
         """Re-read the config (same file, same flags), check it changes nothing that
@@ -1338,35 +735,12 @@ class Supervisor:
         return cur is not None and cur.kind == "reload" and cur.state == "running"
 
     def _start_reload(self, args: dict[str, Any]) -> Operation:
-        from numaserve.config import load_config
-        from numaserve.placement import make_plan
         from numaserve.supervisor.ops import arg_timeout
-        from numaserve.topology import discover
 
         timeout_arg = arg_timeout(args, "timeout", None)
         # a revoked key must stop working even when the rest of the reload is refused
         self.reload_curve_keys()
-        try:
-            new_cfg = load_config(self.config_path, self.overrides)
-            from numaserve.allocator import check_allocator
-            from numaserve.worker.tls import check_tls
-
-            check_tls(new_cfg.tls)
-            check_allocator(new_cfg.allocator)
-            if new_cfg.server.cmd:
-                from numaserve.supervisor.spawn import check_cmd_template
-
-                check_cmd_template(new_cfg.server.cmd, allow_host_port=new_cfg.cmd.allow_host_port)
-            topo = discover(new_cfg.placement.sysfs_root, declared=new_cfg.placement.topology_file or None)
-            new_plan = make_plan(topo, new_cfg.placement)
-        except NumaserveError as e:
-            raise NumaserveError(f"reload refused, nothing changed: {e}") from None
-        problems = reload_blockers(self.cfg, self.plan, new_cfg, new_plan)
-        if problems:
-            raise NumaserveError(
-                "reload refused, nothing changed: " + "; ".join(problems)
-                + " (these need a restart of the service)"
-            )
+        new_cfg, topo, _ = load_for_reload(self.config_path, self.overrides, self.cfg, self.plan)
         timeout = new_cfg.ops.drain_timeout if timeout_arg is None else timeout_arg
         slots = list(self.slots.values())
 
@@ -1392,20 +766,7 @@ class Supervisor:
 
     def status_line(self) -> str:
         """One-line per-node summary for systemd's STATUS= (and logs)."""
-        nodes: dict[int, list[str]] = {}
-        for s in self.slots.values():
-            nodes.setdefault(s.plan.node, []).append(s.state)
-        parts = []
-        for node, states in sorted(nodes.items()):
-            ready = states.count(S.READY)
-            extra = sorted({st for st in states if st != S.READY})
-            parts.append(f"node{node} {ready}/{len(states)} ready" + (f" ({','.join(extra)})" if extra else ""))
-        line = f"{self.state}: " + "; ".join(parts)
-        failed = [s for s in self.slots.values() if s.state == S.FAILED]
-        if failed:  # say what is missing and why (systemctl status shows this line)
-            line += "; missing: " + "; ".join(
-                f"slot {s.plan.slot} failed ({(s.failed_reason or '?')[:120]})" for s in failed)
-        return line[:500]
+        return status_line(self.state, self.slots.values())
 
     def _notify(self, now: float) -> None:
         n = self.notifier
@@ -1423,7 +784,7 @@ class Supervisor:
             n.ping(now)
 
     def _healthy(self) -> bool:
-        return self.ctl is not None and not any(t.done() for t in self._tasks)
+        return self.channel.sock is not None and not any(t.done() for t in self._tasks)
 
     # -------------------------------------------------------------------- ops
 
@@ -1457,9 +818,9 @@ class Supervisor:
             "supervisor": {
                 "pid": os.getpid(),
                 "state": self.state,
-                "stop_phase": self.stop_phase,
-                "lb_grace_left_s": (round(max(0.0, self.lb_grace_until - now), 3)
-                                    if self.stop_phase == "lb_grace" and self.lb_grace_until else None),
+                "stop_phase": self.stopper.phase,
+                "lb_grace_left_s": (round(max(0.0, self.stopper.lb_grace_until - now), 3)
+                                    if self.stopper.phase == "lb_grace" and self.stopper.lb_grace_until else None),
                 "uptime_s": round(now - self.started, 3),
                 "runtime_dir": str(self.runtime.path),
                 "config_file": self.config_path,
@@ -1483,36 +844,3 @@ class Supervisor:
             "limits": {str(n): d for n, d in self.limits.last_decision.items()},
             "operations": self.operations.recent(),
         }
-
-
-def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) -> list[str]:
-    """What a reload cannot apply in place (listeners and the plan are fixed for
-    the supervisor's life: they define the reuseport groups and bindings)."""
-    out = []
-    if sorted(old.server.bind) != sorted(new.server.bind):
-        out.append(f"server.bind changed ({old.server.bind} -> {new.server.bind})")
-    if old.server.backlog != new.server.backlog:
-        out.append(f"server.backlog changed ({old.server.backlog} -> {new.server.backlog})")
-    if bool(old.server.cmd) != bool(new.server.cmd):
-        out.append("switching between server.app and server.cmd")
-    from numaserve.supervisor.cmdready import host_port_placeholders
-
-    if bool(host_port_placeholders(old.server.cmd)) != bool(host_port_placeholders(new.server.cmd)):
-        out.append("server.cmd switched to or from binding its own sockets ({host}/{port})")
-    a = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in old_plan.slots]
-    b = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in new_plan.slots]
-    if a != b:
-        out.append("the placement plan changed (nodes, workers per node, CPUs or memory policy)")
-    if old.admin != new.admin:
-        changed = [k for k in ("enabled", "bind", "max_connections", "idle_timeout")
-                   if getattr(old.admin, k) != getattr(new.admin, k)]
-        out.append("admin." + ", admin.".join(changed) + " changed")
-    if old.supervisor.runtime_dir != new.supervisor.runtime_dir:
-        out.append("supervisor.runtime_dir changed")
-    if old.ops != new.ops:
-        changed = [k for k in ("readonly_group", "audit_log", "tcp_endpoint", "curve_secret_key",
-                               "curve_authorized_keys", "max_connections")
-                   if getattr(old.ops, k) != getattr(new.ops, k)]
-        if changed:
-            out.append("ops." + ", ops.".join(changed) + " changed")
-    return out

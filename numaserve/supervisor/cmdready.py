@@ -19,21 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
-__all__ = ["CmdConfig", "ReadySpec", "parse_ready", "HOST_PORT_PLACEHOLDERS", "host_port_placeholders"]
+__all__ = ["ReadySpec", "parse_ready", "HOST_PORT_PLACEHOLDERS", "host_port_placeholders"]
 
 #: Placeholders that hand the child an address to bind itself.
 HOST_PORT_PLACEHOLDERS = ("host", "port")
-
-
-class CmdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``[cmd]`` config section (external ``server.cmd`` workers)."""
-
-    ready: str = "tcp"
-    probe_timeout: float = 2.0
-    probe_interval: float = 0.25
-    allow_host_port: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 import msgspec
 import structlog
@@ -35,9 +35,9 @@ import zmq.asyncio
 
 from numaserve.control import messages as m
 from numaserve.control.peercred import PeerCred, frame_property, peer_cred
-
-if TYPE_CHECKING:
-    from numaserve.supervisor.arbiter import Supervisor
+from numaserve.supervisor.curvekeys import AuthorizedKeys
+from numaserve.supervisor.opsapi import OpsTarget
+from numaserve.supervisor.ratelimit import PeerRateLimiter
 
 __all__ = [
     "EVENTS_CLIENT_BYTES",
@@ -52,6 +52,23 @@ __all__ = [
 ]
 
 log = structlog.get_logger("numaserve.ops")
+
+
+class OpsServer(OpsTarget, Protocol):
+    """What serving the ops sockets needs beyond the verbs: key check, rate limit, the bad-message count."""
+
+    curve_keys: AuthorizedKeys | None
+    ops_limiter: PeerRateLimiter
+
+    def count_bad(self, channel: str, why: str) -> None: ...
+
+
+class WorkerMessages(Protocol):
+    """Where the worker channel hands each decoded message (transport only here)."""
+
+    def count_bad(self, channel: str, why: str) -> None: ...
+
+    def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None: ...
 
 MAX_OPS_BYTES = 64 * 1024
 HANDSHAKE_IVL_MS = 5000
@@ -139,7 +156,7 @@ def _encode_reply(reply: m.OpsReply) -> bytes:
         return msgspec.msgpack.encode(m.OpsReply(ok=False, id=reply.id, error=f"reply not encodable: {e}"))
 
 
-async def on_ops_frames(sup: "Supervisor", frames: Sequence[Any], channel: str, *,
+async def on_ops_frames(sup: OpsServer, frames: Sequence[Any], channel: str, *,
                         readonly: bool = False) -> list[bytes] | None:
     """One ops request → the reply frames (None: nothing to reply to).  Never raises."""
     from numaserve.supervisor.ops import MUTATING, handle_ops_request
@@ -203,7 +220,7 @@ async def _messages(sock: zmq.asyncio.Socket, what: str) -> AsyncIterator[list[A
             await asyncio.sleep(0.05)
 
 
-async def serve_ops(sup: "Supervisor", sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False) -> None:
+async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False) -> None:
     """Serve one ops socket, one request at a time, yielding between requests."""
     async for frames in _messages(sock, "ops"):
         out = await on_ops_frames(sup, frames, channel, readonly=readonly)
@@ -218,7 +235,7 @@ async def serve_ops(sup: "Supervisor", sock: zmq.asyncio.Socket, channel: str, *
 # -------------------------------------------------------------------- control
 
 
-def on_control_frames(sup: "Supervisor", frames: Sequence[Any]) -> None:
+def on_control_frames(sup: WorkerMessages, frames: Sequence[Any]) -> None:
     """One message from a worker: decode, check, hand to the supervisor.  Never raises."""
     try:
         if len(frames) != 2:
@@ -236,7 +253,7 @@ def on_control_frames(sup: "Supervisor", frames: Sequence[Any]) -> None:
         sup.count_bad("control", f"{type(e).__name__}: {e}")
 
 
-async def serve_control(sup: "Supervisor", sock: zmq.asyncio.Socket) -> None:
+async def serve_control(sup: WorkerMessages, sock: zmq.asyncio.Socket) -> None:
     async for frames in _messages(sock, "control"):
         on_control_frames(sup, frames)
         await asyncio.sleep(0)

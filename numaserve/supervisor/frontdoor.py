@@ -198,7 +198,7 @@ class _Conn:
             limit = self.door.max_client_bytes
             if limit is not None and self.sent > limit:
                 self.door.over_budget += 1
-                self.door._warn(self.last, f"closed a client that sent more than {limit} bytes", self.peer)
+                self.door.warn(self.last, f"closed a client that sent more than {limit} bytes", self.peer)
                 self.close()
                 return
             if self.backend is None:
@@ -307,10 +307,10 @@ class FrontDoor:
             victim = next((c for c in self.conns.values() if not c.busy(now)), None)
             if victim is None:
                 self.refused += 1
-                self._warn(now, "refused", conn.peer)
+                self.warn(now, "refused", conn.peer)
                 return False
             self.evicted += 1
-            self._warn(now, "evicted an idle connection", victim.peer)
+            self.warn(now, "evicted an idle connection", victim.peer)
             self.conns.pop(id(victim), None)
             victim.close()
         self.accepted += 1
@@ -318,7 +318,7 @@ class FrontDoor:
         log.debug("ops_connection", door=self.name, peer=conn.peer, connections=len(self.conns))
         return True
 
-    def _warn(self, now: float, what: str, peer: str) -> None:
+    def warn(self, now: float, what: str, peer: str) -> None:
         if now - self._last_warn >= _WARN_EVERY:
             self._last_warn = now
             log.warning("ops_connections_full", door=self.name, address=self.address, action=what, peer=peer,

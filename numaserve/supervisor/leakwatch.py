@@ -20,16 +20,16 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import structlog
 
 from numaserve.loops.leak import LeakDetector, Verdict, resolve_budget
 
-if TYPE_CHECKING:
-    from numaserve.supervisor.arbiter import Supervisor
-    from numaserve.supervisor.slots import SlotState, WorkerProc
+from numaserve.supervisor.operations import Operations
+from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slots import SlotState, WorkerProc
 
 log = structlog.get_logger("numaserve.leak")
 
@@ -83,8 +83,9 @@ class Watched:
 
 
 class LeakWatch:
-    def __init__(self, sup: "Supervisor") -> None:
-        self.sup = sup
+    def __init__(self, ctl: SlotControl, operations: Operations) -> None:
+        self.ctl = ctl
+        self.operations = operations   # a recycle is a tracked replace_slot operation
         self.watched: dict[int, Watched] = {}       # slot -> current worker's detector
         self.recycles: dict[int, deque[float]] = {}  # node -> recycle times (last hour)
         self.last_worker_recycle: dict[int, float] = {}
@@ -95,17 +96,17 @@ class LeakWatch:
 
     @property
     def settings(self) -> Any:
-        return self.sup.cfg.leak
+        return self.ctl.cfg.leak
 
     def _budget(self) -> int:
         if not self.budget:
-            self.budget = resolve_budget(self.settings, mem_total_bytes(), max(1, len(self.sup.slots)))
+            self.budget = resolve_budget(self.settings, mem_total_bytes(), max(1, len(self.ctl.slots)))
         return self.budget
 
     # ------------------------------------------------------------------ sampling
 
     def tick(self, now: float) -> None:
-        for slot in self.sup.slots.values():
+        for slot in self.ctl.slots.values():
             w = slot.worker
             if w is None or w.popen.poll() is not None:
                 continue
@@ -159,7 +160,7 @@ class LeakWatch:
         if v.kind == "hard_cap":
             w.kill_reason = f"hard memory cap: {v.detail}"
             log.error("leak_kill", slot=slot.plan.slot, pid=w.pid, reason=w.kill_reason)
-            self.sup._kill(w, now)
+            self.ctl.kill(w, now)
             return
         if v.kind == "suspect" and v.trim:
             wd.trimming = True
@@ -170,7 +171,7 @@ class LeakWatch:
 
     async def _trim(self, slot: "SlotState", w: "WorkerProc", wd: Watched) -> None:
         try:
-            res = await self.sup.broadcast_one(w, "trim", {}, timeout=10.0)
+            res = await self.ctl.broadcast_one(w, "trim", {}, timeout=10.0)
             await asyncio.sleep(0.5)
             rss = read_statm_rss(w.pid) or w.rss_bytes
             uss = read_smaps_rollup(w.pid).get("Uss")
@@ -184,7 +185,7 @@ class LeakWatch:
 
     def _node_shedding(self, node: int) -> bool:
         shed = admitted = 0
-        for s in self.sup.slots.values():
+        for s in self.ctl.slots.values():
             if s.plan.node != node or s.worker is None or s.worker.stats is None:
                 continue
             gate = s.worker.stats.extra.get("admission") if isinstance(s.worker.stats.extra, dict) else None
@@ -202,11 +203,11 @@ class LeakWatch:
         times = self.recycles.setdefault(node, deque())
         while times and now - times[0] > 3600:
             times.popleft()
-        per_hour = s.recycle_per_hour or max(1, sum(1 for x in self.sup.slots.values() if x.plan.node == node) // 2)
+        per_hour = s.recycle_per_hour or max(1, sum(1 for x in self.ctl.slots.values() if x.plan.node == node) // 2)
         cap = v.kind == "soft_cap"
         why = None
-        if self.sup.operations.current is not None and self.sup.operations.current.state == "running":
-            why = f"operation {self.sup.operations.current.id} running"
+        if self.operations.current is not None and self.operations.current.state == "running":
+            why = f"operation {self.operations.current.id} running"
         elif not cap and self._node_shedding(node):
             why = f"node {node} is shedding load: a recycle would deepen the overload"
         elif not cap and times and now - times[-1] < s.recycle_spacing_s:
@@ -224,7 +225,7 @@ class LeakWatch:
         reason = f"{'soft memory cap' if cap else 'leak'}: {v.detail}"
         log.warning("leak_recycle", slot=slot.plan.slot, pid=w.pid, reason=reason)
         try:
-            self.sup.operations.start(
+            self.operations.start(
                 "leak", {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
                 lambda op: self._recycle(op, slot, reason),
             )
@@ -234,7 +235,7 @@ class LeakWatch:
 
     async def _recycle(self, op: Any, slot: "SlotState", reason: str) -> str:
         slot.last_restart_reason = reason
-        await self.sup.operations.replace_slot(op, slot, self.sup.cfg.ops.drain_timeout)
+        await self.operations.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
         return f"slot {slot.plan.slot} recycled ({reason})"
 
     def status(self, slot: "SlotState") -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -27,9 +27,8 @@ from numaserve.loops.supervisor_limits import (
 )
 from numaserve.worker.stats import BUCKET_UPPER_MS
 
-if TYPE_CHECKING:
-    from numaserve.supervisor.arbiter import Supervisor
-    from numaserve.supervisor.slots import SlotState, WorkerProc
+from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slots import SlotState, WorkerProc
 
 log = structlog.get_logger("numaserve.limits")
 
@@ -59,11 +58,11 @@ def _add(into: list[int], counts: list[int]) -> None:
 
 
 class LimitsManager:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
+    def __init__(self, ctl: SlotControl) -> None:
+        self.ctl = ctl
         now = time.monotonic()
-        nodes = sorted({s.plan.node for s in sup.slots.values()})
-        self.loops = {n: LimitsLoop(sup.cfg.limits, now) for n in nodes}
+        nodes = sorted({s.plan.node for s in ctl.slots.values()})
+        self.loops = {n: LimitsLoop(ctl.cfg.limits, now) for n in nodes}
         self.current: dict[int, SlotLimits] = {}
         self.epochs: dict[int, int] = {}
         self.acked: dict[int, int | None] = {}   # epoch each slot's worker acknowledged
@@ -74,7 +73,7 @@ class LimitsManager:
 
     @property
     def mode(self) -> str:
-        return self.sup.cfg.limits.mode
+        return self.ctl.cfg.limits.mode
 
     # ----------------------------------------------------------------- window
 
@@ -127,7 +126,7 @@ class LimitsManager:
         counts: dict[str, int] = {"delay": 0, "lag": 0}
         completed = admitted = count = 0
         sum_ms = 0.0
-        for slot in self.sup.slots.values():
+        for slot in self.ctl.slots.values():
             if slot.plan.node != node or slot.worker is None:
                 continue
             got = self._worker_window(slot, slot.worker)
@@ -152,7 +151,7 @@ class LimitsManager:
         means = [sums[n] / counts[n] / 1000.0 for n in ("delay", "lag") if counts[n]]
         d_first = next((i for i, c in enumerate(hists["delay"]) if c), None)
         return NodeWindow(
-            duration_s=max(0.001, now - self._last_tick.get(node, now - self.sup.cfg.limits.interval_s)),
+            duration_s=max(0.001, now - self._last_tick.get(node, now - self.ctl.cfg.limits.interval_s)),
             completed=completed,
             admitted=admitted,
             p90_total_s=bucket_quantile(merged, 0.9),
@@ -167,7 +166,7 @@ class LimitsManager:
     # ------------------------------------------------------------------- loop
 
     def tick(self, now: float) -> None:
-        if self.mode == "off" or self.sup.stopping:
+        if self.mode == "off" or self.ctl.stopping:
             return
         for node, loop in self.loops.items():
             if not loop.due(now):
@@ -207,18 +206,18 @@ class LimitsManager:
         waits: list[tuple[int, Any, Any]] = []
         for slot in slots:
             args = self.args_for(slot)
-            st = self.sup.slots.get(slot)
+            st = self.ctl.slots.get(slot)
             if args is None or st is None:
                 continue
             for w in (st.worker, st.incoming):
                 if w is not None and w.identity is not None and not w.external and w.popen.poll() is None:
-                    waits.append((slot, w, self.sup.broadcast_one(w, "set_limits", args, timeout=timeout)))
+                    waits.append((slot, w, self.ctl.broadcast_one(w, "set_limits", args, timeout=timeout)))
         results = await asyncio.gather(*(c for _, _, c in waits)) if waits else []
         out: dict[str, Any] = {}
         for (slot, w, _), res in zip(waits, results):
-            key = str(slot) if w is self.sup.slots[slot].worker else f"{slot}/incoming"
+            key = str(slot) if w is self.ctl.slots[slot].worker else f"{slot}/incoming"
             out[key] = {"pid": w.pid, "epoch": self.epochs.get(slot), **res}
-            if res.get("ok") and w is self.sup.slots[slot].worker:
+            if res.get("ok") and w is self.ctl.slots[slot].worker:
                 self.acked[slot] = self.epochs.get(slot)
         return out
 
@@ -231,18 +230,18 @@ class LimitsManager:
 
     def push(self, slot: int) -> None:
         args = self.args_for(slot)
-        st = self.sup.slots.get(slot)
+        st = self.ctl.slots.get(slot)
         if args is None or st is None:
             return
         for w in (st.worker, st.incoming):
             if w is not None:
-                self.sup.send_command(w, "set_limits", args)
+                self.ctl.send_command(w, "set_limits", args)
 
     def on_hello(self, slot: SlotState, w: WorkerProc) -> None:
         """A new worker starts at its slot's current epoch."""
         args = self.args_for(slot.plan.slot)
         if args is not None:
-            self.sup.send_command(w, "set_limits", args)
+            self.ctl.send_command(w, "set_limits", args)
 
     # --------------------------------------------------------------- operator
 
@@ -255,13 +254,13 @@ class LimitsManager:
                                                                slots=self._slots_of(node)), push=push)
         touched: set[int] = set()
         for s in slots:
-            n = self.sup.slots[s].plan.node
+            n = self.ctl.slots[s].plan.node
             touched.update(self._apply(n, self.loops[n].override(now, slot=s, concurrency=concurrency, rate=rate,
                                                                  slots=self._slots_of(n)), push=push))
         return sorted(touched)
 
     def _slots_of(self, node: int) -> list[int]:
-        return [s.plan.slot for s in self.sup.slots.values() if s.plan.node == node]
+        return [s.plan.slot for s in self.ctl.slots.values() if s.plan.node == node]
 
     def auto(self, slots: list[int] | None, node: int | None, *, push: bool = True) -> list[int]:
         now = time.monotonic()
@@ -275,7 +274,7 @@ class LimitsManager:
                                                                              slots=self._slots_of(node)), push=push))
         else:
             for s in slots or []:
-                n = self.sup.slots[s].plan.node
+                n = self.ctl.slots[s].plan.node
                 touched.update(self._apply(n, self.loops[n].clear_override(now, slot=s, slots=self._slots_of(n)),
                                            push=push))
         return sorted(touched)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Mapping
+from typing import Iterable, Mapping
+
+from numaserve.supervisor.slots import FAILED, READY, SlotState
 
 
 # systemd's STATUS_TEXT_MAX is 4 KiB; keep status lines well inside one datagram.
@@ -92,3 +94,22 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def status_line(state: str, slots: Iterable[SlotState]) -> str:
+    """One-line per-node summary for systemd's STATUS= (and logs)."""
+    slots = list(slots)
+    nodes: dict[int, list[str]] = {}
+    for s in slots:
+        nodes.setdefault(s.plan.node, []).append(s.state)
+    parts = []
+    for node, states in sorted(nodes.items()):
+        ready = states.count(READY)
+        extra = sorted({st for st in states if st != READY})
+        parts.append(f"node{node} {ready}/{len(states)} ready" + (f" ({','.join(extra)})" if extra else ""))
+    line = f"{state}: " + "; ".join(parts)
+    failed = [s for s in slots if s.state == FAILED]
+    if failed:  # say what is missing and why (systemctl status shows this line)
+        line += "; missing: " + "; ".join(
+            f"slot {s.plan.slot} failed ({(s.failed_reason or '?')[:120]})" for s in failed)
+    return line[:500]

@@ -24,16 +24,13 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 
 from numaserve.errors import NumaserveError
-from numaserve.listeners import accept_queue_depth
 from numaserve.supervisor import slots as S
-
-if TYPE_CHECKING:
-    from numaserve.supervisor.arbiter import Supervisor
+from numaserve.supervisor.slotcontrol import SlotControl
 
 log = structlog.get_logger("numaserve.operations")
 
@@ -82,8 +79,8 @@ class Operation:
 class Operations:
     """The supervisor's operation registry and runner."""
 
-    def __init__(self, sup: "Supervisor") -> None:
-        self.sup = sup
+    def __init__(self, ctl: SlotControl) -> None:
+        self.ctl = ctl
         self.ops: dict[str, Operation] = {}
         self.current: Operation | None = None
 
@@ -100,7 +97,7 @@ class Operations:
                 f"operation {self.current.id} ({self.current.kind}) is still running; "
                 f"wait for it (`numaserve operation {self.current.id} --wait`)"
             )
-        if self.sup.stopping:
+        if self.ctl.stopping:
             raise NumaserveError("the supervisor is stopping")
         op = Operation(kind=kind, args=args, slots=slots)
         self.ops[op.id] = op
@@ -126,7 +123,7 @@ class Operations:
         finally:
             op.finished = time.time()
             for s in op.slots:
-                slot = self.sup.slots.get(s)
+                slot = self.ctl.slots.get(s)
                 if slot is not None and slot.operation == op.id:
                     slot.operation = None
             op.step(op.state, result=op.result)
@@ -136,13 +133,13 @@ class Operations:
                 except Exception:
                     log.exception("operation_callback_error", op=op.id)
             op.done.set()
-            self.sup.wake.set()
+            self.ctl.wake.set()
 
     # ------------------------------------------------------------ procedures
 
     async def replace_slot(self, op: Operation, slot: S.SlotState, timeout: float) -> None:
         """Make-before-break: new generation Ready on the same listener, then drain the old."""
-        sup = self.sup
+        ctl = self.ctl
         s = slot.plan.slot
         slot.operation = op.id
         if slot.drained:
@@ -158,7 +155,7 @@ class Operations:
             slot.restart.reset()
             if slot.worker is None:
                 slot.retrying = was_failed
-                sup._start_worker(slot, now)
+                ctl.start_worker(slot, now)
             new = slot.worker
             if new is None:
                 raise OperationFailed(f"slot {s}: could not spawn: {slot.last_restart_reason}")
@@ -166,7 +163,7 @@ class Operations:
             await self._wait_ready(op, slot, new)
             return
         try:
-            new = sup._spawn_generation(slot, now)
+            new = ctl.spawn_generation(slot, now)
         except (OSError, NumaserveError) as e:
             raise OperationFailed(f"slot {s}: could not spawn the new worker: {e}; old worker kept") from None
         slot.incoming = new
@@ -176,21 +173,21 @@ class Operations:
         slot.incoming = None
         slot.worker = new
         slot.retiring.append(old)
-        sup._mark_ready(slot, time.monotonic())
+        ctl.mark_ready(slot, time.monotonic())
         rb = slot.totals_before.restarts_by_reason
         rb[op.kind] = rb.get(op.kind, 0) + 1
-        sup._send_stop_to(slot, old, time.monotonic(), timeout, drain=True)
+        ctl.send_stop(slot, old, time.monotonic(), timeout, drain=True)
         op.step(f"slot {s}: generation {new.generation} ready; draining {old.generation}", slot=s,
                 old_pid=old.pid)
         try:
-            await asyncio.wait_for(old.exit_evt.wait(), timeout + self.sup.cfg.supervisor.stop_timeout + 5.0)
+            await asyncio.wait_for(old.exit_evt.wait(), timeout + self.ctl.cfg.supervisor.stop_timeout + 5.0)
         except asyncio.TimeoutError:
             raise OperationFailed(f"slot {s}: old worker pid {old.pid} did not exit") from None
         op.step(f"slot {s}: generation {old.generation} exited ({old.exit_cause})", slot=s)
 
     async def _wait_ready(self, op: Operation, slot: S.SlotState, new: S.WorkerProc) -> None:
-        sup = self.sup
-        limit = sup.cfg.supervisor.ready_timeout
+        ctl = self.ctl
+        limit = ctl.cfg.supervisor.ready_timeout
         try:
             await asyncio.wait_for(new.ready_evt.wait(), limit + 1.0)
         except asyncio.TimeoutError:
@@ -199,7 +196,7 @@ class Operations:
             why = new.exit_cause or new.kill_reason or f"not ready within {limit:g}s"
             if new.popen.poll() is None:
                 new.kill_reason = new.kill_reason or "replacement aborted"
-                sup._kill(new, time.monotonic())
+                ctl.kill(new, time.monotonic())
             if slot.incoming is new:
                 # leave it for the reaper; the old worker keeps serving
                 pass
@@ -209,22 +206,22 @@ class Operations:
             )
 
     async def drain_slots(self, op: Operation, slots: list[S.SlotState], timeout: float) -> str:
-        sup = self.sup
+        ctl = self.ctl
         deadline = time.monotonic() + timeout
         for slot in slots:
             slot.operation = op.id
             slot.drained = True
             if slot.worker is not None and slot.state == S.READY:
                 slot.state = S.DRAINING
-        sup._steer()  # no new connections for these slots from now on
-        op.step("steered new connections away", healthy=sup.healthy_slots())
-        if not sup.healthy_slots():
+        ctl.steer()  # no new connections for these slots from now on
+        op.step("steered new connections away", healthy=ctl.healthy_slots())
+        if not ctl.healthy_slots():
             op.step("warning: no slot left serving: new connections queue until undrain")
         # let the worker take what is already queued (bounded), then a round trip of grace
         settle = min(5.0, max(0.2, timeout / 4))
         end = time.monotonic() + settle
         while time.monotonic() < end:
-            depth = sum(accept_queue_depth(lst.sock) or 0 for sl in slots for lst in sup.listeners.by_slot[sl.plan.slot])
+            depth = ctl.queued(sl.plan.slot for sl in slots)
             if depth == 0:
                 break
             await asyncio.sleep(0.05)
@@ -234,7 +231,7 @@ class Operations:
         for slot in slots:
             for w in list(slot.workers()):
                 if w.popen.poll() is None:
-                    sup._send_stop_to(slot, w, now, max(0.1, deadline - now), drain=True)
+                    ctl.send_stop(slot, w, now, max(0.1, deadline - now), drain=True)
                     waits.append((slot, w))
         op.step("told workers to drain", workers=[w.pid for _, w in waits])
         left = []
@@ -253,7 +250,7 @@ class Operations:
         return f"drained slots {[s.plan.slot for s in slots]}"
 
     async def undrain_slots(self, op: Operation, slots: list[S.SlotState]) -> str:
-        sup = self.sup
+        ctl = self.ctl
         waits = []
         for slot in slots:
             slot.operation = op.id
@@ -261,7 +258,7 @@ class Operations:
             if slot.worker is None:
                 slot.restart.reset()
                 slot.failed_reason = None
-                sup._start_worker(slot, time.monotonic())
+                ctl.start_worker(slot, time.monotonic())
                 if slot.worker is not None:
                     waits.append((slot, slot.worker))
                     op.step(f"slot {slot.plan.slot}: starting generation {slot.worker.generation}")
@@ -270,7 +267,7 @@ class Operations:
                 slot.state = S.READY
         for slot, w in waits:
             await self._wait_ready(op, slot, w)
-        sup._steer()
+        ctl.steer()
         return f"serving slots {[s.plan.slot for s in slots]}"
 
     async def roll(self, op: Operation, slots: list[S.SlotState], timeout: float, parallel: int) -> str:

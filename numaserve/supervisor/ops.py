@@ -9,100 +9,43 @@ exception in the supervisor.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any
 
 import structlog
 
 from numaserve.control.messages import OpsReply, OpsRequest
 from numaserve.errors import NumaserveError
-
-if TYPE_CHECKING:
-    from numaserve.supervisor.arbiter import Supervisor
+from numaserve.supervisor.opsapi import (  # noqa: F401  (re-exported: the verbs' helpers)
+    MAX_RATE,
+    MAX_TIMEOUT_S,
+    MUTATING,
+    READ_ONLY,
+    Handler,
+    OpsArgError,
+    OpsTarget,
+    arg_bool,
+    arg_float,
+    arg_int,
+    arg_number,
+    arg_timeout,
+    verb,
+)
 
 log = structlog.get_logger("numaserve.ops")
 
-Handler = Callable[["Supervisor", dict[str, Any]], Awaitable[Any]]
-READ_ONLY: dict[str, Handler] = {}
-MUTATING: dict[str, Handler] = {}
-
-
-class OpsArgError(NumaserveError):
-    """Bad arguments in an ops request (reported to the client, not raised)."""
-
-
-def verb(name: str, *, mutating: bool) -> Callable[[Handler], Handler]:
-    def deco(fn: Handler) -> Handler:
-        (MUTATING if mutating else READ_ONLY)[name] = fn
-        return fn
-
-    return deco
-
-
-#: Longest timeout an ops request may ask for (a week): past that it is a typo, not a plan.
-MAX_TIMEOUT_S = 7 * 86400.0
-MAX_RATE = 1e9
-
-
-def arg_int(args: dict[str, Any], name: str, *, required: bool = False, minimum: int = 0,
-            maximum: int = 1 << 31) -> int | None:
-    v = args.get(name)
-    if v is None:
-        if required:
-            raise OpsArgError(f"missing argument {name!r}")
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
-        raise OpsArgError(f"argument {name!r} = {v!r}: expected an integer in {minimum}..{maximum}")
-    return v
-
-
-def arg_number(args: dict[str, Any], name: str, *, minimum: float, maximum: float,
-               exclusive_min: bool = False, unit: str = "") -> float | None:
-    """A finite number in range (NaN and infinities refused: a NaN deadline never expires)."""
-    v = args.get(name)
-    if v is None:
-        return None
-    low_ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
-        v > minimum if exclusive_min else v >= minimum)
-    if not low_ok or v > maximum:
-        bound = f"> {minimum:g}" if exclusive_min else f">= {minimum:g}"
-        raise OpsArgError(f"argument {name!r} = {v!r}: expected a finite number {bound} and <= {maximum:g}{unit}")
-    return float(v)
-
-
-def arg_timeout(args: dict[str, Any], name: str, default: float | None) -> float | None:
-    v = arg_number(args, name, minimum=0.0, maximum=MAX_TIMEOUT_S, unit=" seconds")
-    return default if v is None else v
-
-
-def arg_bool(args: dict[str, Any], name: str, default: bool = False) -> bool:
-    v = args.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise OpsArgError(f"argument {name!r} = {v!r}: expected true or false")
-    return v
-
-
-def arg_float(args: dict[str, Any], name: str, default: float) -> float:
-    """A timeout-like argument: finite, >= 0, at most MAX_TIMEOUT_S."""
-    v = arg_timeout(args, name, default)
-    assert v is not None
-    return v
-
 
 @verb("ping", mutating=False)
-async def _ping(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _ping(sup: OpsTarget, args: dict[str, Any]) -> Any:
     return {"pong": True, "state": sup.state}
 
 
 @verb("status", mutating=False)
-async def _status(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _status(sup: OpsTarget, args: dict[str, Any]) -> Any:
     return sup.status()
 
 
 @verb("stop", mutating=True)
-async def _stop(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _stop(sup: OpsTarget, args: dict[str, Any]) -> Any:
     fast = arg_bool(args, "fast")
     sup.request_stop("ops stop" + (" (fast)" if fast else ""), fast=fast)
     return {"stopping": True, "fast": fast}
@@ -117,7 +60,7 @@ def _summary(result: Any) -> str:
 
 
 async def handle_ops_request(
-    sup: "Supervisor", req: OpsRequest, *, channel: str = "ipc", readonly: bool = False,
+    sup: OpsTarget, req: OpsRequest, *, channel: str = "ipc", readonly: bool = False,
     who: dict[str, Any] | None = None,
 ) -> OpsReply:
     who = who if who is not None else {}
@@ -162,7 +105,7 @@ async def handle_ops_request(
 # ------------------------------------------------------------------ operations
 
 
-def select_slots(sup: "Supervisor", args: dict[str, Any], *, allow_all: bool = False) -> list[Any]:
+def select_slots(sup: OpsTarget, args: dict[str, Any], *, allow_all: bool = False) -> list[Any]:
     """Slots named by ``slot`` or ``node`` (or every slot with ``all``)."""
     slot = arg_int(args, "slot")
     node = arg_int(args, "node")
@@ -188,7 +131,7 @@ def _op_reply(op: Any) -> dict[str, Any]:
 
 
 @verb("drain", mutating=True)
-async def _drain(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _drain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.cfg.ops.drain_timeout)
     op = sup.operations.start("drain", args, [s.plan.slot for s in slots],
@@ -197,7 +140,7 @@ async def _drain(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("undrain", mutating=True)
-async def _undrain(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args, allow_all=True)
     op = sup.operations.start("undrain", args, [s.plan.slot for s in slots],
                               lambda op: sup.operations.undrain_slots(op, slots))
@@ -205,7 +148,7 @@ async def _undrain(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("restart", mutating=True)
-async def _restart(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _restart(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.cfg.ops.drain_timeout)
     op = sup.operations.start(
@@ -216,13 +159,13 @@ async def _restart(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("reload", mutating=True)
-async def _reload(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _reload(sup: OpsTarget, args: dict[str, Any]) -> Any:
     op = sup.start_reload(args)
     return _op_reply(op)
 
 
 @verb("operation", mutating=False)
-async def _operation(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _operation(sup: OpsTarget, args: dict[str, Any]) -> Any:
     op_id = args.get("id")
     if op_id is not None and not isinstance(op_id, str):
         raise OpsArgError(f"argument 'id' = {op_id!r}: expected an operation id (text)")
@@ -238,7 +181,7 @@ async def _operation(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("ratelimit_show", mutating=False)
-async def _ratelimit_show(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _ratelimit_show(sup: OpsTarget, args: dict[str, Any]) -> Any:
     return {
         "mode": sup.limits.mode,
         "nodes": {str(n): d for n, d in sup.limits.last_decision.items()},
@@ -247,7 +190,7 @@ async def _ratelimit_show(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("ratelimit_set", mutating=True)
-async def _ratelimit_set(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _ratelimit_set(sup: OpsTarget, args: dict[str, Any]) -> Any:
     conc = arg_int(args, "concurrency", minimum=1, maximum=1 << 20)
     rate = arg_number(args, "rate", minimum=0.0, maximum=MAX_RATE, exclusive_min=True, unit=" requests/s")
     if conc is None and rate is None:
@@ -266,7 +209,7 @@ async def _ratelimit_set(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("ratelimit_auto", mutating=True)
-async def _ratelimit_auto(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _ratelimit_auto(sup: OpsTarget, args: dict[str, Any]) -> Any:
     node = arg_int(args, "node")
     if node is not None and node not in sup.limits.loops:
         raise OpsArgError(f"no slot on node {node}")

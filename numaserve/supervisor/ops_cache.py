@@ -10,12 +10,9 @@ Registered on import (``numaserve.supervisor.ops`` imports this module).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from numaserve.supervisor.ops import OpsArgError, arg_float, verb
-
-if TYPE_CHECKING:
-    from numaserve.supervisor.arbiter import Supervisor
+from numaserve.supervisor.opsapi import OpsArgError, OpsTarget, arg_float, verb
 
 __all__ = ["CACHE_VERSION", "current_version"]
 
@@ -24,7 +21,7 @@ CACHE_VERSION = "cache_version"
 _ACK_TIMEOUT = 5.0
 
 
-def current_version(sup: "Supervisor") -> int:
+def current_version(sup: OpsTarget) -> int:
     """The cache epoch every worker is (or will be, on Hello) at; 0 before any bump."""
     return int(sup.sticky.get(CACHE_VERSION, {}).get("version", 0))
 
@@ -35,7 +32,7 @@ def _summary(acks: dict[str, Any]) -> dict[str, Any]:
 
 
 @verb("cache_purge", mutating=True)
-async def _cache_purge(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _cache_purge(sup: OpsTarget, args: dict[str, Any]) -> Any:
     prefix = args.get("prefix", "") or ""
     if not isinstance(prefix, str) or (prefix and not prefix.startswith("/")) or len(prefix) > 4096:
         raise OpsArgError(f"prefix {prefix!r}: expected a path prefix starting with /")
@@ -45,7 +42,7 @@ async def _cache_purge(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("cache_bump", mutating=True)
-async def _cache_bump(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _cache_bump(sup: OpsTarget, args: dict[str, Any]) -> Any:
     timeout = arg_float(args, "timeout", _ACK_TIMEOUT)
     version = current_version(sup) + 1
     acks = await sup.broadcast(CACHE_VERSION, {"version": version}, timeout=timeout, sticky=True)
@@ -53,5 +50,5 @@ async def _cache_bump(sup: "Supervisor", args: dict[str, Any]) -> Any:
 
 
 @verb("cache_version", mutating=False)
-async def _cache_version(sup: "Supervisor", args: dict[str, Any]) -> Any:
+async def _cache_version(sup: OpsTarget, args: dict[str, Any]) -> Any:
     return {"version": current_version(sup)}

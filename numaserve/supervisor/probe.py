@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from numaserve.listeners import Listener
-from numaserve.sockdiag import find_connection, socket_inodes_of
+from numaserve.net.listeners import Listener
+from numaserve.net.sockdiag import find_connection, socket_inodes_of
 from numaserve.supervisor.cmdready import ReadySpec
 from numaserve.supervisor.rescue import connect_address
 from numaserve.supervisor.steer import Steering
@@ -73,7 +73,7 @@ def holder_of(inode: int, pids: set[int], *, proc: str = "/proc") -> int | None:
 
 
 def _holder_anywhere(inode: int) -> int | None:
-    from numaserve.portowners import owners
+    from numaserve.net.portowners import owners
 
     found = owners([inode]).get(inode, [])
     return found[0].pid if found else None

@@ -26,7 +26,7 @@ from typing import Iterable
 
 import structlog
 
-from numaserve.listeners import Listener
+from numaserve.net.listeners import Listener
 
 log = structlog.get_logger("numaserve.supervisor")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from numaserve.control.messages import Placement, Stats
-from numaserve.placement import SlotPlan
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.backoff import RestartState
 
 # Slot states, in the order an operator usually sees them.

@@ -1,6 +1,6 @@
 """Start one worker process, already bound, on its slot's inherited listeners.
 
-The process is started through the exec trampoline (``numaserve.launch``):
+The process is started through the exec trampoline (``numaserve.bind.launch``):
 CPU affinity and memory policy are in force before the worker's interpreter
 starts, so every thread and every page it ever has is placed (FACTS §1.6).
 ``subprocess.Popen`` execs in C (no Python runs between fork and exec), which
@@ -15,20 +15,18 @@ import subprocess
 import sys
 from typing import Any, Iterable, Mapping
 
-from numaserve.allocator import AllocatorConfig, allocator_env
-from numaserve.config import Config
+from numaserve.bind.allocator import allocator_env
+from numaserve.config import AllocatorConfig, CacheConfig, Config, FramingConfig, TlsConfig
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
-from numaserve.framing import FramingConfig
-from numaserve.launch import build_launch_argv
-from numaserve.listeners import Listener
-from numaserve.placement import SlotPlan
+from numaserve.bind.launch import build_launch_argv
+from numaserve.net.listeners import Listener
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV, token_pipe
-from numaserve.worker.cache import CacheConfig
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
-from numaserve.worker.tls import TlsConfig, check_tls
-from numaserve.workerenv import slot_env
+from numaserve.worker.tls import check_tls
+from numaserve.bind.workerenv import slot_env
 
 CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
 
@@ -58,19 +56,9 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         fd=listeners[0].fd,
         extra_fds=[lst.fd for lst in listeners[1:]],
         control=control,
-        app=s.app,
-        app_dir=s.app_dir,
-        http=s.http,
-        loop=s.loop,
+        server=s,
         heartbeat_interval=cfg.supervisor.heartbeat_interval,
         stats_interval=1.0,
-        graceful_timeout=s.graceful_timeout,
-        keepalive_timeout=s.keepalive_timeout,
-        max_header_bytes=s.max_header_bytes,
-        max_body_bytes=s.max_body_bytes,
-        read_timeout=s.read_timeout,
-        max_connections=s.max_connections,
-        access_log=s.access_log,
         admission=cfg.admission,
         gradient=cfg.gradient,
         framing=_section(cfg, "framing", FramingConfig),
@@ -124,7 +112,7 @@ def check_cmd_template(template: str, *, allow_host_port: bool = False) -> None:
     the connections with no steering, no readiness probe and no queue kept
     across its restarts.
     """
-    from numaserve.listeners import Listener as _L
+    from numaserve.net.listeners import Listener as _L
     from numaserve.supervisor.cmdready import host_port_placeholders
     import socket
 

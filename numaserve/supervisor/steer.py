@@ -25,8 +25,8 @@ from typing import Iterable, Mapping, Sequence
 
 import structlog
 
-from numaserve.listeners import ListenerSet
-from numaserve.steering import (
+from numaserve.net.listeners import ListenerSet
+from numaserve.net.steering import (
     attach_reuseport_cbpf,
     build_selection_program,
     detach_reuseport_bpf,
@@ -90,6 +90,21 @@ class Steering:
             self._applied = None
         self.targets = targets
         return self._apply()
+
+    def pause(self, reason: str) -> None:
+        """No program while another owner shares the group (takeover): the kernel hash decides."""
+        self.paused = reason
+        self._apply()
+
+    def resume(self, group_pos: list[dict[int, int]]) -> None:
+        """Steer again with the measured positions of our sockets in each group."""
+        self.group_pos = group_pos
+        self.paused = None
+        self._applied = None
+
+    def invalidate(self) -> None:
+        """Something else replaced the attached program: reattach ours at the next update."""
+        self._applied = None
 
     def add_probe(self, sport: int, slot: int) -> None:
         """Route connections from source port ``sport`` to ``slot`` (attached before returning)."""

@@ -18,9 +18,9 @@ import socket
 import time
 from typing import Callable
 
-from numaserve.listeners import Listener, ListenerSet
-from numaserve.sockdiag import TcpSocket, find_connection, listening_sockets
-from numaserve.steering import attach_reuseport_cbpf, build_selection_program
+from numaserve.net.listeners import Listener, ListenerSet
+from numaserve.net.sockdiag import TcpSocket, find_connection, listening_sockets
+from numaserve.net.steering import attach_reuseport_cbpf, build_selection_program
 from numaserve.supervisor.rescue import connect_address
 
 __all__ = ["group_peers", "discover_positions"]
@@ -65,7 +65,7 @@ async def discover_positions(first: Listener, size: int, slot_of_pid: Callable[[
             while time.monotonic() < deadline and slot is None:
                 srv = find_connection(first.family, host, port, host, sport)
                 if srv is not None and srv.inode:
-                    from numaserve.portowners import owners
+                    from numaserve.net.portowners import owners
 
                     for o in owners([srv.inode]).get(srv.inode, []):
                         slot = slot_of_pid(o.pid)

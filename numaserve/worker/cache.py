@@ -29,6 +29,8 @@ from typing import Any, Awaitable, Callable, MutableMapping
 
 import msgspec
 
+from numaserve.config import CacheConfig
+
 __all__ = ["CacheConfig", "CacheEntry", "CacheMiddleware", "ResponseCache", "fingerprint"]
 
 Scope = MutableMapping[str, Any]
@@ -37,18 +39,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 CACHE_HEADER = b"x-numaserve-cache"
-
-
-class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[cache]``."""
-
-    enabled: bool = False
-    ttl: float = 60.0
-    max_entries: int = 10000
-    max_bytes: int = 64 * 1024 * 1024
-    max_entry_bytes: int = 1024 * 1024
-    deterministic_paths: list[str] = msgspec.field(default_factory=list)
-    key_headers: list[str] = msgspec.field(default_factory=lambda: ["authorization", "accept"])
 
 
 class CacheEntry(msgspec.Struct):

@@ -66,9 +66,9 @@ _POLL = 0.05
 
 
 def check_placement(spec: WorkerSpec) -> Placement:
-    """Observe our own binding; prefer ``numaserve.verify``, else affinity only."""
+    """Observe our own binding; prefer ``numaserve.bind.verify``, else affinity only."""
     try:
-        from numaserve.verify import check_self  # type: ignore[attr-defined]
+        from numaserve.bind.verify import check_self  # type: ignore[attr-defined]
     except ImportError:
         check_self = None
     if check_self is not None:

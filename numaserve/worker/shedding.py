@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
-from numaserve.listeners import accept_queue_depth
+from numaserve.net.listeners import accept_queue_depth
 from numaserve.loops.admission import AdmissionSettings, Reject
 from numaserve.loops.cpu_gate import CpuGate
 from numaserve.worker.stats import LatencyHistogram

@@ -6,11 +6,9 @@ import os
 
 import msgspec
 
-from numaserve.framing import FramingConfig
+from numaserve.config import CacheConfig, FramingConfig, ServerConfig, TlsConfig
 from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.gradient import GradientSettings
-from numaserve.worker.cache import CacheConfig
-from numaserve.worker.tls import TlsConfig
 
 SPEC_ENV = "NUMASERVE_WORKER_SPEC"
 
@@ -26,19 +24,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     fd: int                        # inherited listener socket (supervisor keeps its own ref)
     extra_fds: list[int] = []      # more listeners of the same slot (other bind addresses)
     control: str                   # ZeroMQ endpoint of the supervisor's worker ROUTER
-    app: str = ""                  # "module:attr"; "" = numaserve.apps.demo:app
-    app_dir: str = ""              # prepended to sys.path before importing app
-    http: str = "auto"
-    loop: str = "auto"
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)  # the [server] section, as configured
     heartbeat_interval: float = 1.0
     stats_interval: float = 1.0
-    graceful_timeout: float = 30.0
-    keepalive_timeout: float = 5.0
-    max_header_bytes: int = 65536
-    max_body_bytes: int = 16 * 1024 * 1024
-    read_timeout: float = 30.0
-    max_connections: int = 0
-    access_log: bool = False
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
     gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
     framing: FramingConfig = msgspec.field(default_factory=FramingConfig)
@@ -47,6 +35,19 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     gc_freeze: bool = True         # gc.freeze() right after the app is imported
     log_level: str = "info"
     log_format: str = "json"
+
+    # The worker reads the serving options by their [server] names.
+    app = property(lambda self: self.server.app, doc='"module:attr"; "" = numaserve.apps.demo:app')
+    app_dir = property(lambda self: self.server.app_dir, doc="prepended to sys.path before importing app")
+    http = property(lambda self: self.server.http)
+    loop = property(lambda self: self.server.loop)
+    graceful_timeout = property(lambda self: self.server.graceful_timeout)
+    keepalive_timeout = property(lambda self: self.server.keepalive_timeout)
+    max_header_bytes = property(lambda self: self.server.max_header_bytes)
+    max_body_bytes = property(lambda self: self.server.max_body_bytes)
+    read_timeout = property(lambda self: self.server.read_timeout)
+    max_connections = property(lambda self: self.server.max_connections)
+    access_log = property(lambda self: self.server.access_log)
 
     def to_env(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -58,3 +59,12 @@ def spec_from_env(environ: "os._Environ[str] | dict[str, str] | None" = None) ->
     if not raw:
         raise RuntimeError(f"{SPEC_ENV} is not set: workers are started by `numaserve start`")
     return msgspec.json.decode(raw.encode(), type=WorkerSpec)
+
+
+SERVER_KEYS = frozenset(f.name for f in msgspec.structs.fields(ServerConfig))
+
+
+def flat_spec(**fields: object) -> WorkerSpec:
+    """A spec from one flat keyword set: ``[server]`` keys (``read_timeout=...``) go into ``server``."""
+    server = {k: fields.pop(k) for k in list(fields) if k in SERVER_KEYS}
+    return WorkerSpec(server=ServerConfig(**server), **fields)  # type: ignore[arg-type]

@@ -13,24 +13,10 @@ import os
 import ssl
 from typing import Any, Callable
 
-import msgspec
-
+from numaserve.config import TlsConfig
 from numaserve.errors import ConfigError
 
 __all__ = ["TlsConfig", "build_server_context", "check_tls", "ssl_context_factory"]
-
-
-class TlsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[tls]``: empty ``certfile`` = plain TCP."""
-
-    certfile: str = ""
-    keyfile: str = ""
-    ca_certs: str = ""
-    ciphers: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.certfile)
 
 
 def build_server_context(tls: TlsConfig) -> ssl.SSLContext:

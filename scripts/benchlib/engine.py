@@ -1,6 +1,6 @@
-"""The load engine: ``numaserve.loadtest`` plus two views the bench needs.
+"""The load engine: ``numaserve.tools.loadtest`` plus two views the bench needs.
 
-``numaserve.loadtest`` keeps one latency histogram for every response, whatever
+``numaserve.tools.loadtest`` keeps one latency histogram for every response, whatever
 its status, and no time line.  The overload scenario needs the latency of
 200s and of 503s apart (p99 of admitted requests, shed latency) and the
 reload/kill scenarios need completions over time.  Rather than fork the load
@@ -10,7 +10,7 @@ status class and its completion time.  It relies on what ``_Run.request``
 does on a response (record the latency, then count the status, with no await
 in between) and checks the invariant afterwards, so a change there fails
 loudly instead of silently mis-filing.  (A ``latency_by_status`` option in
-``numaserve.loadtest`` would make this unnecessary; see docs/benchmarks.md.)
+``numaserve.tools.loadtest`` would make this unnecessary; see docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 
 #: Width of a time-line bucket, seconds.
 BIN_S = 0.1
@@ -90,7 +90,7 @@ class _Split:
 
     def file(self, status: int) -> None:
         if self.pending is None:
-            raise RuntimeError("status counted without a latency: numaserve.loadtest changed; fix benchlib.engine")
+            raise RuntimeError("status counted without a latency: numaserve.tools.loadtest changed; fix benchlib.engine")
         cls = status_class(status)
         self.by_class.setdefault(cls, lt.LatencyRecorder()).record(self.pending)
         if self.pending > SLOW_S:
@@ -200,7 +200,7 @@ def run(cfg: lt.LoadConfig, *, cpus: set[int] | None = None) -> Run:
     t1 = time.perf_counter()
     if split.filed != res.requests or sum(r.count for r in split.by_class.values()) != res.requests:
         raise RuntimeError(f"bench engine filed {split.filed} of {res.requests} responses: "
-                           "numaserve.loadtest changed; fix benchlib.engine")
+                           "numaserve.tools.loadtest changed; fix benchlib.engine")
     return Run(res, split, t0, t1)
 
 

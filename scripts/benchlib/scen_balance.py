@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 
 from benchlib import engine
 from benchlib.common import Ctx, summarize, summarize_rows

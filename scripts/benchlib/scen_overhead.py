@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 import psutil
 
 from benchlib import engine, procs

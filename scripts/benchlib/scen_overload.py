@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 
 from benchlib import engine, procs
 from benchlib.common import Ctx, summarize, summarize_rows

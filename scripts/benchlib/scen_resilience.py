@@ -35,7 +35,7 @@ import statistics
 import time
 from typing import Any
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 import psutil
 
 from benchlib import engine

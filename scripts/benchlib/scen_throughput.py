@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 
 from benchlib import engine, procs
 from benchlib.common import Ctx, summarize_rows

@@ -71,7 +71,7 @@ def test_awaits_streams_and_slow_uploads_are_never_shed() -> None:
 
 def test_a_blocking_app_at_twice_its_capacity_gets_503s_and_keeps_serving() -> None:
     pytest.importorskip("fastapi")
-    import numaserve.loadtest as lt
+    import numaserve.tools.loadtest as lt
 
     with Running(ARGS) as sup:
         url = f"http://127.0.0.1:{sup.port}/cpu20"

@@ -21,8 +21,12 @@ def test_lifecycle_events_are_published() -> None:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"event")
+        sub.setsockopt(zmq.SUBSCRIBE, b"stats")
         sub.connect(f"ipc://{sup.rt / 'events.sock'}")
-        time.sleep(0.3)  # let the subscription reach the publisher
+        # the subscriptions reached the publisher once a stats message (sent every second) arrives
+        until = time.monotonic() + 10
+        while not (sub.poll(500) and sub.recv_multipart()[0] == b"stats"):
+            assert time.monotonic() < until, "no stats on events.sock within 10 s"
         victim = sup.slots()[1]["pid"]
         os.kill(victim, signal.SIGKILL)
         seen: dict[str, dict] = {}

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from numaserve.latency_view import slot_latencies
+from numaserve.tools.latency_view import slot_latencies
 from tests.integration.harness import REPO, Running
 
 pytestmark = pytest.mark.slow

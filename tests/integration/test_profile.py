@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from numaserve import profiling
+from numaserve.tools import profiling
 from numaserve.errors import NumaserveError, UsageError
-from numaserve.profiling import (
+from numaserve.tools.profiling import (
     INSTALL_HINT,
     default_output,
     explain_failure,
@@ -102,7 +102,7 @@ def test_cli_usage_and_unreachable_supervisor(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def loaded() -> Iterator[Any]:
     """A supervisor with two demo workers, kept busy with completions while tests run."""
-    from numaserve.loadtest import LoadConfig, run_load
+    from numaserve.tools.loadtest import LoadConfig, run_load
     from tests.integration.harness import Running
 
     with Running(["--nodes", "0", "--workers-per-node", "2", "--bind", "127.0.0.1:0"]) as sup:

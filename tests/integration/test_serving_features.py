@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from numaserve.allocator import find_jemalloc
+from numaserve.bind.allocator import find_jemalloc
 from numaserve.client import AsyncFrameClient, FrameClient, FrameClientError, Request
 from numaserve.framing import HEADER, encode_frame, encode_request
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from numaserve.allocator import AllocatorConfig, allocator_env, check_allocator, find_jemalloc, jemalloc_paths
+from numaserve.bind.allocator import AllocatorConfig, allocator_env, check_allocator, find_jemalloc, jemalloc_paths
 from numaserve.config import Config
 from numaserve.errors import ConfigError
-from numaserve.placement import SlotPlan
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.spawn import numaserve_env
 
 

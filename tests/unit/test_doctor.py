@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import numaserve.cli as cli_pkg
 from numaserve.cli import doctor_cmd
 from numaserve.config import Config, PlacementConfig, ServerConfig
-from numaserve.doctor import Check, Readers, kernel_version, run_checks
-from numaserve.irq import IrqSettings
+from numaserve.tools.doctor import Check, Readers, kernel_version, run_checks
+from numaserve.net.irq import IrqSettings
 from numaserve.topology.model import Node, Unknown
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "irq"
@@ -276,7 +276,7 @@ def test_cli_on_fixture_root_with_real_discovery(env, capsys) -> None:
 
 def test_nofile_against_backlog_connections_and_the_unit() -> None:
     from numaserve.config import ServerConfig
-    from numaserve.doctor import parse_limit_nofile
+    from numaserve.tools.doctor import parse_limit_nofile
 
     big = Config(server=ServerConfig(backlog=65535, max_connections=100000))
     c = run(config=big, readers=Readers(rlimit_nofile=lambda: (65536, 1 << 20)))["nofile"]

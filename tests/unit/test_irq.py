@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from numaserve.errors import UsageError
-from numaserve.irq import (
+from numaserve.net.irq import (
     FileIO,
     IrqbalanceConflict,
     IrqSettings,

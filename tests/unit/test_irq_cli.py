@@ -182,9 +182,9 @@ def test_end_to_end_declared_nic_node_and_apply(env, capsys) -> None:
 
 def test_reserved_policy_uses_placement(env, monkeypatch, capsys) -> None:
     """policy "reserved": IRQs only on the CPUs placement.reserved_irq_cpus keeps for them."""
-    placement = pytest.importorskip("numaserve.placement")
+    placement = pytest.importorskip("numaserve.bind.placement")
     if not hasattr(placement, "reserved_irq_cpus"):
-        pytest.skip("numaserve.placement.reserved_irq_cpus not written yet")
+        pytest.skip("numaserve.bind.placement.reserved_irq_cpus not written yet")
     tmp, _ = env
     root = _copy("smt2n", tmp)
     cfg = tmp / "reserved.toml"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from numaserve.latency_view import (
+from numaserve.tools.latency_view import (
     coarse_rows,
     fmt_ms,
     histogram_lines,

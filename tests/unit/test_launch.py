@@ -1,4 +1,4 @@
-"""numaserve.launch (the exec trampoline) and `numaserve exec`.
+"""numaserve.bind.launch (the exec trampoline) and `numaserve exec`.
 
 Real children are started on this machine: binding, exit codes, one-line
 errors, the parent-death signal, restored signal dispositions.  The
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from numaserve import launch
-from numaserve.launch import LAUNCH_EXIT_BIND_FAILED, LaunchError, build_launch_argv
+from numaserve.bind import launch
+from numaserve.bind.launch import LAUNCH_EXIT_BIND_FAILED, LaunchError, build_launch_argv
 from numaserve.topology.model import Node, Topology
 
 L = launch.LAUNCHER_PATH
@@ -219,7 +219,7 @@ def test_pdeathsig_child_dies_with_its_parent() -> None:
     # parent (python) -> launcher -> exec sleep; SIGKILL the parent, the sleep must die.
     parent_code = (
         "import os, subprocess, sys\n"
-        "from numaserve.launch import build_launch_argv\n"
+        "from numaserve.bind.launch import build_launch_argv\n"
         "p = subprocess.Popen(build_launch_argv(['sleep', '60'], cpus=None, mempolicy='local', nodes=[]))\n"
         "print(p.pid, flush=True)\n"
         "p.wait()\n"

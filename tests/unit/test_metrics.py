@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from numaserve.control.messages import Stats
-from numaserve.placement import SlotPlan
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.admin import AdminConfig, LoopHeartbeat, build_app, open_admin_socket, start_admin
 from numaserve.supervisor.backoff import RestartPolicy, RestartState

@@ -1,4 +1,4 @@
-"""numaserve.numa: tokens, nodemask sizing, flag masking, input checks, real syscalls.
+"""numaserve.bind.numa: tokens, nodemask sizing, flag masking, input checks, real syscalls.
 
 Real set_mempolicy calls run in a subprocess: the policy is per thread and
 inherited, so setting it in the pytest process would leak into other tests.
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from numaserve import numa
-from numaserve.numa import MemPolicy, parse_numa_maps_token
+from numaserve.bind import numa
+from numaserve.bind.numa import MemPolicy, parse_numa_maps_token
 
 ON_NODE0 = os.path.isdir("/sys/devices/system/node/node0")
 needs_numa_syscalls = pytest.mark.skipif(
@@ -172,7 +172,7 @@ def test_set_cpu_affinity_rejects_bad_input() -> None:
 
 PROBE = """
 import json, sys
-from numaserve import numa
+from numaserve.bind import numa
 mode, nodes, static = sys.argv[1], [int(n) for n in sys.argv[2].split(",") if n], sys.argv[3] == "1"
 out = {}
 try:
@@ -239,7 +239,7 @@ def test_cpu_affinity_real() -> None:
     last = cpus[-1]
     r = run_py(
         f"""
-        from numaserve import numa
+        from numaserve.bind import numa
         numa.set_cpu_affinity([{last}])
         print(numa.get_cpu_affinity())
         try:
@@ -261,7 +261,7 @@ def test_matches_libnuma_when_present() -> None:
     r = run_py(
         """
         import ctypes
-        from numaserve import numa
+        from numaserve.bind import numa
         numa.set_mempolicy("bind", [0])
         lib = ctypes.CDLL("libnuma.so.1")
         lib.numa_get_membind.restype = ctypes.c_void_p

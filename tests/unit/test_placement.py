@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from numaserve.config import PlacementConfig
 from numaserve.errors import UsageError
-from numaserve.placement import (
+from numaserve.bind.placement import (
     Plan,
     SlotPlan,
     make_plan,

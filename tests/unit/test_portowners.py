@@ -7,9 +7,9 @@ import struct
 import pytest
 
 from numaserve.errors import UsageError
-from numaserve.listeners import BindAddress, resolve_bind, resolve_binds
-from numaserve.portowners import Owner, check_binds, conflicts, overlaps, owners
-from numaserve.sockdiag import (
+from numaserve.net.listeners import BindAddress, resolve_bind, resolve_binds
+from numaserve.net.portowners import Owner, check_binds, conflicts, overlaps, owners
+from numaserve.net.sockdiag import (
     TCP_LISTEN,
     TcpSocket,
     find_connection,
@@ -58,7 +58,7 @@ def test_check_binds_refuses_with_the_owner_named_and_allows_a_takeover():
     b = ours("127.0.0.1", port=1)      # never bound for real: the table and owners are given
     socks = [theirs("0.0.0.0", port=1, inode=42)]
     table = {42: [Owner(4242, "python3 -m numaserve start")]}
-    import numaserve.portowners as P
+    import numaserve.net.portowners as P
 
     real = P._test_bind
     P._test_bind = lambda b: None

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from numaserve.steering import (
+from numaserve.net.steering import (
     HASH_FALLBACK,
     attach_reuseport_cbpf,
     build_selection_program,

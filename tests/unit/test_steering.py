@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from numaserve.steering import (
+from numaserve.net.steering import (
     BPF_MAXINSNS,
     HASH_FALLBACK,
     ProgramTooLarge,

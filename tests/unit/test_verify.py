@@ -1,4 +1,4 @@
-"""numaserve.verify: numa_maps parsing, hand-made /proc trees, real processes."""
+"""numaserve.bind.verify: numa_maps parsing, hand-made /proc trees, real processes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from numaserve import launch, verify
-from numaserve.verify import ObservedPlacement, ThreadPlacement, check_placement, parse_numa_maps, read_placement
+from numaserve.bind import launch, verify
+from numaserve.bind.verify import ObservedPlacement, ThreadPlacement, check_placement, parse_numa_maps, read_placement
 
 SAMPLE = """\
 55dca7ce3000 bind=static:1 file=/usr/bin/python3.11 mapped=1 N1=1 kernelpagesize_kB=4
@@ -309,7 +309,7 @@ def test_real_unbound_child_is_reported() -> None:
 @needs_cpu1
 def test_check_self_in_a_bound_process() -> None:
     code = (
-        "from numaserve import numa, verify\n"
+        "from numaserve.bind import numa, verify\n"
         "numa.set_cpu_affinity([1]); numa.set_mempolicy('bind', [0])\n"
         "print(verify.check_self([1], 'bind', [0]))\n"
         "print(verify.check_self([0], 'preferred', [0]))\n"

@@ -16,14 +16,14 @@ from numaserve.framing import FramingConfig
 
 from numaserve.apps.demo import app as demo_app
 from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
-from numaserve.worker.spec import WorkerSpec
+from numaserve.worker.spec import WorkerSpec, flat_spec
 
 
 def make_spec(**kw: Any) -> WorkerSpec:
     base: dict[str, Any] = dict(slot=0, node=0, generation=1, cpus=[0], mempolicy="local",
                                 memory_nodes=[0], fd=-1, control="ipc:///nonexistent")
     base.update(kw)
-    return WorkerSpec(**base)
+    return flat_spec(**base)
 
 
 def listening_socket() -> socket.socket:

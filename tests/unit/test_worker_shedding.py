@@ -23,7 +23,7 @@ from numaserve.worker.shedding import (
     runnable_tasks,
     tcp_wait_and_state,
 )
-from numaserve.worker.spec import WorkerSpec
+from numaserve.worker.spec import flat_spec
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -54,7 +54,7 @@ def listening_socket() -> socket.socket:
 @contextlib.asynccontextmanager
 async def serving(settings: AdmissionSettings) -> AsyncIterator[tuple[AdmissionRuntime, socket.socket, WorkerServer]]:
     lst = listening_socket()
-    spec = WorkerSpec(slot=0, node=0, generation=1, cpus=[0], mempolicy="local", memory_nodes=[0], fd=-1,
+    spec = flat_spec(slot=0, node=0, generation=1, cpus=[0], mempolicy="local", memory_nodes=[0], fd=-1,
                       control="ipc:///nonexistent", framing=FramingConfig(enabled=False), admission=settings)
     rt = AdmissionRuntime(settings)
     server = WorkerServer(build_config(spec, CpuAdmissionMiddleware(app, rt), admission=rt))

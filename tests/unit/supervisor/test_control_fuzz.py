@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.config import Config
 from numaserve.control import messages as m
-from numaserve.placement import Plan, SlotPlan
 from numaserve.runtime import RuntimeDir
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S

@@ -28,7 +28,6 @@ from numaserve.supervisor.workerauth import (
     token_pipe,
 )
 
-
 # ------------------------------------------------------------------ rate limit
 
 

@@ -13,8 +13,8 @@ import json
 import subprocess
 import sys
 
-from numaserve.launch import build_launch_argv
-from numaserve.verify import check_placement, read_placement
+from numaserve.bind.launch import build_launch_argv
+from numaserve.bind.verify import check_placement, read_placement
 
 PY = sys.executable
 

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from numaserve.verify import check_placement, read_placement
+from numaserve.bind.verify import check_placement, read_placement
 
 APPS = str(Path(__file__).resolve().parent / "apps")
 

@@ -211,7 +211,7 @@ def test_journal_carries_structured_fields() -> None:
 
 
 def test_binding_works_inside_the_sandbox() -> None:
-    from numaserve.verify import check_placement, read_placement
+    from numaserve.bind.verify import check_placement, read_placement
 
     cpus = node_cpus()
     st = L.status()

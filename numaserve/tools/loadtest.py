@@ -24,7 +24,7 @@ network is a denial of service against somebody else.
 
 Use from scripts::
 
-    from numaserve.loadtest import LoadConfig, run_load
+    from numaserve.tools.loadtest import LoadConfig, run_load
     res = run_load(LoadConfig("http://127.0.0.1:8000/", rate=500, duration=10))
     print(res.rate, res.latency["p99"], res.errors)
 

@@ -4,7 +4,7 @@ Raw ``set_mempolicy``/``get_mempolicy`` through ``ctypes`` + ``syscall(2)``: no
 libnuma, no PyPI package.  Both calls act on the *calling thread* only; threads
 and processes created afterwards inherit the policy (also across ``execve``),
 which is why numaserve binds in a single-threaded trampoline before the worker
-image starts (see ``numaserve/launch.py``).
+image starts (see ``numaserve/bind/launch.py``).
 
 This module is **stdlib-only and imports nothing from numaserve** on purpose:
 ``launch.py`` loads it by file path under ``python -I -S`` so there is one

@@ -64,9 +64,9 @@ class LaunchError(Exception):
 
 
 def _numa() -> ModuleType:
-    """numaserve.numa when imported as a package module, else numa.py by file path."""
+    """numaserve.bind.numa when imported as a package module, else numa.py by file path."""
     if __package__:
-        from numaserve import numa
+        from numaserve.bind import numa
 
         return numa
     mod = sys.modules.get("_numaserve_numa")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 from numaserve.config import Config
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
-from numaserve.irq import IrqSettings, irqbalance_fixes, plan_irqs
+from numaserve.net.irq import IrqSettings, irqbalance_fixes, plan_irqs
 from numaserve.topology.model import Topology
 
 __all__ = ["Check", "Readers", "run_checks", "kernel_version", "NOFILE_MIN", "VERDICTS"]
@@ -303,7 +303,7 @@ def check_nofile(readers: Readers, config: Config | None = None) -> Check:
 def _requested(topo: Topology, config: Config, requested_nodes: Iterable[int] | None) -> list[int]:
     if requested_nodes is not None:
         return sorted(set(requested_nodes))
-    from numaserve.nodespec import parse_node_spec
+    from numaserve.bind.nodespec import parse_node_spec
 
     try:
         spec = parse_node_spec(config.placement.nodes)

@@ -21,19 +21,10 @@ import os
 import sysconfig
 from typing import Mapping, Sequence
 
-import msgspec
-
+from numaserve.config import AllocatorConfig
 from numaserve.errors import ConfigError
 
 __all__ = ["AllocatorConfig", "allocator_env", "check_allocator", "find_jemalloc", "jemalloc_paths"]
-
-
-class AllocatorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[allocator]``."""
-
-    malloc_arena_max: int = 2
-    jemalloc: bool = False
-    gc_freeze: bool = True
 
 
 def jemalloc_paths() -> list[str]:

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Literal, Sequence
 from numaserve.config import PlacementConfig
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
-from numaserve.nodespec import parse_node_spec
+from numaserve.bind.nodespec import parse_node_spec
 from numaserve.topology.model import Node, Topology
 
 __all__ = [

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from numaserve.cpulist import format_list, parse_list
-from numaserve.numa import MemPolicy, get_cpu_affinity, get_mempolicy, parse_numa_maps_token
+from numaserve.bind.numa import MemPolicy, get_cpu_affinity, get_mempolicy, parse_numa_maps_token
 
 __all__ = [
     "Vma",

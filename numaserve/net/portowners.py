@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from numaserve.errors import UsageError
-from numaserve.listeners import SO_REUSEPORT, BindAddress
-from numaserve.sockdiag import TcpSocket, listening_sockets
+from numaserve.net.listeners import SO_REUSEPORT, BindAddress
+from numaserve.net.sockdiag import TcpSocket, listening_sockets
 
 __all__ = ["Owner", "Conflict", "overlaps", "conflicts", "owners", "describe", "check_binds"]
 

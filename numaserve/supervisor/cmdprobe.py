@@ -1,0 +1,74 @@
+"""Readiness of external ``server.cmd`` workers: they have no control channel, so the
+supervisor probes the slot (``[cmd] ready``: tcp, http or alive) until the new
+process accepts on its listener (and answers).  One probe task per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+import structlog
+
+from numaserve.net.listeners import ListenerSet
+from numaserve.supervisor import slots as S
+from numaserve.supervisor.cmdready import parse_ready
+from numaserve.supervisor.lifecycle import Lifecycle
+from numaserve.supervisor.probe import probe_slot, process_tree
+from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.steer import Steering
+
+__all__ = ["ExternalReadiness"]
+
+log = structlog.get_logger("numaserve.supervisor")
+
+
+class ExternalReadiness:
+    def __init__(self, ctl: SlotControl, lifecycle: Lifecycle, steering: Callable[[], Steering | None],
+                 listeners: Callable[[], ListenerSet]) -> None:
+        self.ctl = ctl
+        self.lifecycle = lifecycle
+        self.steering = steering          # set (or not) when the supervisor opens
+        self.listeners = listeners
+        self.tasks: dict[int, asyncio.Task[None]] = {}   # id(worker) -> its probe loop
+
+    def check(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
+        """External commands have no control channel: the supervisor probes the
+        slot (``[cmd] ready``) until the new process accepts (and answers)."""
+        spec = parse_ready(self.ctl.cfg.cmd.ready)
+        if spec.kind == "alive" or self.steering() is None or self.steering().paused:
+            if now - w.started >= min(1.0, self.ctl.cfg.supervisor.ready_timeout):
+                w.last_beat = now
+                self.lifecycle.on_ready(slot, w, now)
+            return
+        if id(w) not in self.tasks:
+            self.tasks[id(w)] = asyncio.get_running_loop().create_task(
+                self._loop(slot, w, spec), name=f"probe-{slot.plan.slot}-{w.generation}")
+
+    async def _loop(self, slot: S.SlotState, w: S.WorkerProc, spec: Any) -> None:
+        steering = self.steering()
+        assert steering is not None
+        lst = self.listeners().by_slot[slot.plan.slot][0]
+        c = self.ctl.cfg.cmd
+        try:
+            while w.ready is None and w.popen.poll() is None and not self.ctl.stopping:
+                res = await probe_slot(steering, lst, slot.plan.slot, lambda: process_tree(w.pid), spec,
+                                       c.probe_timeout)
+                if res.note != w.probe_note:
+                    log.debug("probe", slot=slot.plan.slot, pid=w.pid, ok=res.ok, note=res.note)
+                w.probe_note = res.note
+                if res.ok and w.popen.poll() is None:
+                    now = time.monotonic()
+                    w.last_beat = now
+                    self.lifecycle.on_ready(slot, w, now)
+                    self.ctl.wake.set()
+                    return
+                await asyncio.sleep(c.probe_interval)
+        finally:
+            self.tasks.pop(id(w), None)
+
+    def stop(self, w: S.WorkerProc) -> None:
+        t = self.tasks.pop(id(w), None)
+        if t is not None:
+            t.cancel()

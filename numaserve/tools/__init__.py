@@ -1,0 +1,1 @@
+"""Operator tools beside the supervisor: load generator, latency view, profiling, doctor."""

@@ -1,0 +1,163 @@
+"""Processes and a SlotControl without processes: the supervisor's helpers under test.
+
+``FakePopen`` is a worker that never ran; a test ends it with ``exit(code)``.
+``FakeSlots`` implements ``SlotControl`` over a ``Lifecycle`` whose spawns are
+fake, and records every verb it was asked for (``calls``), so a test can
+assert on the order in which an operation did things.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Iterable
+
+from numaserve.bind.placement import SlotPlan
+from numaserve.config import Config
+from numaserve.supervisor import slots as S
+from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.lifecycle import Lifecycle
+from numaserve.supervisor.operations import Operation, Operations
+
+_pids = itertools.count(40000)
+
+
+class FakePopen:
+    def __init__(self) -> None:
+        self.pid = next(_pids)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+    def exit(self, code: int) -> None:
+        self.returncode = code
+
+
+def plans(n: int, nodes: int = 1) -> list[SlotPlan]:
+    return [SlotPlan(slot=i, node=i % nodes, index=i // nodes, cpus=(i,), mempolicy="local", memory_nodes=())
+            for i in range(n)]
+
+
+class FakeSlots:
+    """SlotControl for tests: a real Lifecycle, fake processes, recorded verbs.
+
+    ``auto_ready``: a spawned worker reports Ready on the next loop turn;
+    ``exit_on_stop``: a worker told to stop exits (code 0) on the next loop turn.
+    ``fail_spawn``: the next spawns raise OSError with this text.
+    """
+
+    def __init__(self, n: int = 2, *, cfg: Config | None = None, nodes: int = 1, policy: RestartPolicy | None = None,
+                 auto_ready: bool = True, exit_on_stop: bool = True) -> None:
+        self.cfg = cfg or Config()
+        self.policy = policy or RestartPolicy(initial=0.1, maximum=1.0, jitter=0.0, reset_after=60.0,
+                                              loop_limit=3, loop_window=60.0, failed_retry=300.0)
+        self._slots = {p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plans(n, nodes)}
+        self.wake = asyncio.Event()
+        self.signals: list[tuple[int, int]] = []
+        self.calls: list[tuple[Any, ...]] = []
+        self.sent: list[tuple[int, str, dict[str, Any]]] = []   # (pid, command, args)
+        self.acks: dict[str, dict[str, Any]] = {}               # command -> reply for broadcast_one
+        self.auto_ready = auto_ready
+        self.exit_on_stop = exit_on_stop
+        self.fail_spawn: str | None = None
+        self.depth = 0
+        self.life = Lifecycle(self.cfg, self._slots, self.policy, spawn_worker=self._spawn, wake=self.wake,
+                              started=0.0, send_signal=lambda pid, sig: self.signals.append((pid, sig)),
+                              oom_count=lambda: 0, frozen=lambda pid: False)
+
+    # the test's side ------------------------------------------------------
+
+    def _spawn(self, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
+        if self.fail_spawn:
+            raise OSError(self.fail_spawn)
+        w = S.WorkerProc(generation=generation, popen=FakePopen(), started=now)  # type: ignore[arg-type]
+        w.identity = f"w{plan.slot}-{generation}".encode()
+        w.hello = w.last_beat = now
+        self.calls.append(("spawn", plan.slot, generation))
+        if self.auto_ready:
+            self._soon(lambda: self.life.on_ready(self._slots[plan.slot], w, now))
+        return w
+
+    def _soon(self, fn: Any) -> None:
+        try:
+            asyncio.get_running_loop().call_soon(fn)
+        except RuntimeError:  # no loop: the test drives readiness itself
+            pass
+
+    def exit(self, w: S.WorkerProc, code: int, now: float = 0.0) -> None:
+        """The process ends; the reaper accounts for it (as the supervision loop would)."""
+        w.popen.exit(code)  # type: ignore[attr-defined]
+        self.life.reap(now)
+
+    # SlotControl ------------------------------------------------------------
+
+    @property
+    def slots(self) -> dict[int, S.SlotState]:
+        return self._slots
+
+    @property
+    def stopping(self) -> bool:
+        return self.life.stopping
+
+    def start_worker(self, slot: S.SlotState, now: float) -> None:
+        self.calls.append(("start_worker", slot.plan.slot))
+        self.life.start_worker(slot, now)
+
+    def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
+        return self.life.spawn_generation(slot, now)
+
+    def mark_ready(self, slot: S.SlotState, now: float) -> None:
+        self.calls.append(("mark_ready", slot.plan.slot))
+        self.life.mark_ready(slot, now)
+
+    def send_stop(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
+        self.calls.append(("drain" if drain else "stop", slot.plan.slot, w.generation))
+        w.stop_sent, w.stop_deadline = now, deadline
+        if self.exit_on_stop:
+            self._soon(lambda: self.exit(w, 0, now))
+
+    def kill(self, w: S.WorkerProc, now: float) -> None:
+        self.calls.append(("kill", w.generation))
+        self.life.kill(w, now)
+
+    def steer(self) -> None:
+        self.calls.append(("steer", tuple(self.healthy_slots())))
+
+    def healthy_slots(self) -> list[int]:
+        return [s.plan.slot for s in self._slots.values() if s.state == S.READY and not s.drained]
+
+    def queued(self, slots: Iterable[int]) -> int:
+        list(slots)
+        return self.depth
+
+    async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
+                        sticky: bool = False) -> dict[str, Any]:
+        out = {}
+        for s in self._slots.values():
+            if s.worker is not None:
+                self.sent.append((s.worker.pid, name, args))
+                out[str(s.plan.slot)] = {"pid": s.worker.pid, "ok": True, "detail": ""}
+        return out
+
+    async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
+                            timeout: float = 5.0) -> dict[str, Any]:
+        self.sent.append((w.pid, name, args))
+        return self.acks.get(name, {"ok": True, "detail": ""})
+
+    def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
+        self.sent.append((w.pid, name, args))
+
+
+def held_operation(ops: Operations, slots: list[int], kind: str = "restart") -> tuple[Operation, asyncio.Event]:
+    """A running operation that ends ("held") when the returned event is set (call inside a loop)."""
+    gate = asyncio.Event()
+
+    async def hold(op: Operation) -> str:
+        await gate.wait()
+        return "held"
+
+    return ops.start(kind, {}, slots, hold), gate

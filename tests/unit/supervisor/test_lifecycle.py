@@ -1,0 +1,189 @@
+"""The slots' state machine on fake processes: transitions, backoff, exit classification, watchdog."""
+
+from __future__ import annotations
+
+import signal
+
+import msgspec
+from slotfakes import FakeSlots
+
+from numaserve.config import Config
+from numaserve.supervisor import exits as X
+from numaserve.supervisor import slots as S
+from numaserve.supervisor.lifecycle import (
+    EXIT_NO_SLOT,
+    LAUNCH_EXIT_BIND_FAILED,
+    WORKER_EXIT_APP_LOAD,
+    describe_exit,
+)
+
+
+def started(n: int = 2, **kw: object) -> FakeSlots:
+    f = FakeSlots(n, auto_ready=False, **kw)  # type: ignore[arg-type]
+    for slot in f.slots.values():
+        f.life.start_worker(slot, 0.0)
+    return f
+
+
+def ready(f: FakeSlots, now: float = 1.0) -> None:
+    for slot in f.slots.values():
+        assert slot.worker is not None
+        f.life.on_ready(slot, slot.worker, now)
+
+
+def test_start_then_ready_then_running() -> None:
+    f = started()
+    assert [s.state for s in f.slots.values()] == [S.STARTING, S.STARTING]
+    assert [s.worker.generation for s in f.slots.values() if s.worker] == [1, 1]
+    assert f.life.readiness(0.5, "starting") == "starting"
+    ready(f)
+    assert all(s.state == S.READY and s.ever_ready for s in f.slots.values())
+    assert f.life.readiness(1.0, "starting") == "running"
+    assert f.life.all_ready_logged
+
+
+def test_a_crash_while_serving_backs_off_exponentially_then_restarts() -> None:
+    f = started(1)
+    ready(f)
+    slot = f.slots[0]
+    delays = []
+    for i in range(2):
+        w = slot.worker
+        assert w is not None
+        f.exit(w, 1, now=10.0 * (i + 1))
+        assert slot.state == S.BACKOFF and slot.worker is None
+        assert slot.last_exit_kind == X.CRASH
+        delays.append(round(slot.next_start - 10.0 * (i + 1), 6))
+        f.life.restart_due(slot.next_start - 0.01)
+        assert slot.worker is None                 # not before the delay
+        f.life.restart_due(slot.next_start)
+        assert slot.state == S.STARTING and slot.worker is not None
+        f.life.on_ready(slot, slot.worker, slot.next_start + 0.1)
+    assert delays == [0.1, 0.2]                     # initial, doubled (jitter 0)
+    assert slot.restarts == 2 and slot.generation == 3
+    assert slot.totals_before.exits_by_kind == {X.CRASH: 2}
+
+
+def test_crash_loop_fails_the_slot_and_a_retry_gets_one_attempt() -> None:
+    f = started(2)
+    ready(f)
+    slot = f.slots[0]
+    for t in (1.0, 2.0, 3.0):   # loop_limit=3 within the window
+        if slot.worker is None:
+            f.life.restart_due(slot.next_start)
+        assert slot.worker is not None
+        f.exit(slot.worker, 1, now=t)
+    assert slot.state == S.FAILED and slot.next_retry == 3.0 + f.policy.failed_retry
+    assert f.life.readiness(4.0, "running") == "degraded"
+    t = slot.next_retry
+    f.life.restart_due(t)
+    assert slot.state == S.STARTING and slot.retrying
+    f.exit(slot.worker, 1, now=t + 1)
+    assert slot.state == S.FAILED                   # one failure sends a retried slot back
+    t = slot.next_retry
+    f.life.restart_due(t)
+    f.life.on_ready(slot, slot.worker, t + 1)
+    assert slot.state == S.READY and not slot.retrying and not slot.restart.crashes
+
+
+def test_app_load_failure_at_boot_fails_fast_and_then_the_service() -> None:
+    f = started(2)
+    for slot in f.slots.values():
+        slot.worker.goodbye = "app failed to load: No module named 'myapp'"
+        f.exit(slot.worker, WORKER_EXIT_APP_LOAD, now=0.5)
+    assert [s.state for s in f.slots.values()] == [S.FAILED, S.FAILED]
+    assert f.slots[0].failed_reason == "app failed to load: No module named 'myapp'"
+    assert f.slots[0].last_exit_kind == X.BOOT
+    f.life.check_boot_failure()
+    assert f.life.fatal is not None and "No module named 'myapp'" in f.life.fatal
+    assert f.life.exit_code == EXIT_NO_SLOT
+
+
+def test_a_boot_failure_after_the_service_served_is_retried_not_fatal() -> None:
+    f = started(2)
+    ready(f)
+    slot = f.slots[0]
+    f.exit(slot.worker, 1, now=5.0)
+    f.life.restart_due(slot.next_start)
+    f.exit(slot.worker, LAUNCH_EXIT_BIND_FAILED, now=5.5)   # never ready, binding failed
+    assert slot.state == S.BACKOFF and slot.last_exit_kind == X.BOOT
+    f.life.check_boot_failure()
+    assert f.life.fatal is None
+
+
+def test_sigkill_from_outside_restarts_at_once_and_is_not_a_crash() -> None:
+    f = started(1)
+    ready(f)
+    slot = f.slots[0]
+    f.exit(slot.worker, -signal.SIGKILL, now=30.0)
+    assert slot.state == S.BACKOFF and slot.next_start == 30.0
+    assert slot.last_exit_kind == X.EXTERNAL and "SIGKILL" in (slot.last_restart_reason or "")
+    assert not slot.restart.crashes
+
+
+def test_spawn_failure_backs_off_with_the_reason() -> None:
+    f = FakeSlots(1, auto_ready=False)
+    f.fail_spawn = "Too many open files"
+    slot = f.slots[0]
+    f.life.start_worker(slot, 0.0)
+    assert slot.state == S.BACKOFF and slot.worker is None
+    assert slot.last_restart_reason == "spawn failed: Too many open files"
+
+
+def test_an_asked_stop_is_expected_not_restarted() -> None:
+    f = started(1)
+    ready(f)
+    slot = f.slots[0]
+    w = slot.worker
+    w.stop_sent = 5.0
+    f.exit(w, 0, now=6.0)
+    assert slot.state == S.STOPPED and slot.restarts == 0
+
+
+def test_watchdog_ready_timeout_sends_sigabrt_then_sigkill() -> None:
+    cfg = Config()
+    f = started(1, cfg=cfg)
+    w = f.slots[0].worker
+    w.hello = w.last_beat = None              # booting: no Hello yet, so no heartbeat to miss
+    sup = cfg.supervisor
+    f.life.watchdog(sup.ready_timeout - 1)
+    assert f.signals == []
+    f.life.watchdog(sup.ready_timeout + 0.1)
+    assert f.signals == [(w.pid, signal.SIGABRT)] and "not ready within" in (w.kill_reason or "")
+    f.life.watchdog(sup.ready_timeout + 0.1 + sup.abort_grace)
+    assert f.signals[-1] == (w.pid, signal.SIGKILL) and w.kill_sent is not None
+    f.exit(w, -signal.SIGKILL, now=sup.ready_timeout + sup.abort_grace + 1)
+    assert f.slots[0].last_exit_kind == X.HANG and f.slots[0].state == S.BACKOFF
+
+
+def test_silent_worker_leaves_steering_then_is_killed_for_the_hang() -> None:
+    cfg = msgspec.structs.replace(Config(), supervisor=msgspec.structs.replace(
+        Config().supervisor, heartbeat_interval=1.0, heartbeat_timeout=10.0))
+    f = started(1, cfg=cfg)
+    ready(f, now=0.0)
+    w = f.slots[0].worker
+    w.last_beat = 0.0
+    f.life.watchdog(2.5)                      # > 2 heartbeat intervals: unresponsive
+    assert w.unresponsive_since == 2.5 and f.signals == []
+    w.last_beat = 3.0
+    f.life.watchdog(3.1)
+    assert w.unresponsive_since is None       # back
+    f.life.watchdog(13.5)
+    assert f.signals == [(w.pid, signal.SIGABRT)] and w.kill_reason.startswith("hung: no heartbeat")
+
+
+def test_a_stop_past_its_deadline_is_killed_and_counts_as_forced_while_stopping() -> None:
+    cfg = Config()
+    f = started(1, cfg=cfg)
+    ready(f)
+    w = f.slots[0].worker
+    f.life.stopping = True
+    w.stop_sent, w.stop_deadline = 1.0, 2.0
+    f.life.watchdog(1.0 + 2.0 + cfg.supervisor.stop_timeout + 0.1)
+    assert f.signals == [(w.pid, signal.SIGKILL)] and f.life.forced_kills
+
+
+def test_describe_exit_names_signals_and_launcher_codes() -> None:
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL (out of memory?)"
+    assert describe_exit(127) == "exit 127 (command not found)"
+    assert describe_exit(None) == "running"

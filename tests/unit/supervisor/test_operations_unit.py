@@ -1,0 +1,164 @@
+"""Operations against a fake SlotControl: the exact order of steps, and what fails how."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from slotfakes import FakeSlots, held_operation
+
+from numaserve.errors import NumaserveError
+from numaserve.supervisor import slots as S
+from numaserve.supervisor.operations import Operation, Operations
+
+
+def serving(n: int = 2, **kw: Any) -> FakeSlots:
+    f = FakeSlots(n, auto_ready=False, **kw)
+    for slot in f.slots.values():
+        f.life.start_worker(slot, 0.0)
+        f.life.on_ready(slot, slot.worker, 0.5)
+    f.auto_ready = True
+    f.calls.clear()
+    return f
+
+
+async def run(ops: Operations, kind: str, slots: list[int], body: Any) -> Operation:
+    op = ops.start(kind, {}, slots, body)
+    await asyncio.wait_for(op.done.wait(), 5)
+    return op
+
+
+def test_replace_is_make_before_break() -> None:
+    async def main() -> None:
+        f = serving(1)
+        ops = Operations(f)
+        slot = f.slots[0]
+        old = slot.worker
+        op = await run(ops, "restart", [0], lambda op: ops.roll(op, [slot], 5.0, 1))
+        assert op.state == "succeeded", op.result
+        # the new generation is spawned and Ready before the old one is told to drain
+        assert f.calls == [("spawn", 0, 2), ("mark_ready", 0), ("drain", 0, 1)]
+        assert [s["message"] for s in op.steps] == [
+            "started", "slot 0: generation 2 starting beside 1", "slot 0: generation 2 ready; draining 1",
+            "slot 0: generation 1 exited (exit 0)", "succeeded"]
+        assert slot.worker is not old and slot.worker.generation == 2 and slot.state == S.READY
+        assert slot.retiring == [] and slot.incoming is None and slot.operation is None
+        assert slot.totals_before.restarts_by_reason == {"restart": 1}
+
+    asyncio.run(main())
+
+
+def test_replace_keeps_the_old_worker_when_the_new_one_dies() -> None:
+    async def main() -> None:
+        f = serving(1)
+        f.auto_ready = False
+        ops = Operations(f)
+        slot = f.slots[0]
+        old = slot.worker
+
+        def die_soon() -> None:
+            new = slot.incoming
+            assert new is not None
+            new.goodbye = "app failed"
+            f.exit(new, 3)
+
+        asyncio.get_running_loop().call_later(0.05, die_soon)
+        op = await run(ops, "restart", [0], lambda op: ops.roll(op, [slot], 5.0, 1))
+        assert op.state == "failed"
+        assert "new worker (generation 2) failed" in op.result and "old worker kept serving" in op.result
+        assert "(replaced 0 of 1 slots before it)" in op.result
+        assert slot.worker is old and slot.state == S.READY and slot.incoming is None
+        assert ("drain", 0, 1) not in f.calls
+
+    asyncio.run(main())
+
+
+def test_roll_stops_at_the_first_failed_batch() -> None:
+    async def main() -> None:
+        f = serving(3)
+        ops = Operations(f)
+        spawned = []
+        orig = f._spawn
+
+        def spawn(plan: Any, generation: int, now: float) -> Any:
+            if plan.slot == 1:
+                raise OSError("no memory")
+            spawned.append(plan.slot)
+            return orig(plan, generation, now)
+
+        f.life.spawn_worker = spawn
+        op = await run(ops, "restart", [0, 1, 2], lambda op: ops.roll(op, list(f.slots.values()), 5.0, 1))
+        assert op.state == "failed"
+        assert op.result.startswith("slot 1: could not spawn the new worker: no memory; old worker kept")
+        assert "(replaced 1 of 3 slots before it)" in op.result
+        assert spawned == [0]                    # slot 2 never touched
+        assert f.slots[2].worker.generation == 1
+
+    asyncio.run(main())
+
+
+def test_drain_steers_first_waits_for_the_queue_then_drains() -> None:
+    async def main() -> None:
+        f = serving(2)
+        ops = Operations(f)
+        slot = f.slots[1]
+        op = await run(ops, "drain", [1], lambda op: ops.drain_slots(op, [slot], 2.0))
+        assert op.state == "succeeded", op.result
+        assert f.calls[0] == ("steer", (0,))     # slot 1 out of steering before any stop
+        assert f.calls[1] == ("drain", 1, 1)
+        assert slot.state == S.DRAINED and slot.drained and slot.worker is None
+        assert [s["message"] for s in op.steps][1:3] == ["steered new connections away", "told workers to drain"]
+        # undrain brings it back and steers again
+        op = await run(ops, "undrain", [1], lambda op: ops.undrain_slots(op, [slot]))
+        assert op.state == "succeeded" and slot.state == S.READY and not slot.drained
+        assert f.calls[-1] == ("steer", (0, 1))
+
+    asyncio.run(main())
+
+
+def test_drain_times_out_naming_the_work_left() -> None:
+    async def main() -> None:
+        f = serving(1, exit_on_stop=False)
+        ops = Operations(f)
+        slot = f.slots[0]
+        op = await run(ops, "drain", [0], lambda op: ops.drain_slots(op, [slot], 0.3))
+        assert op.state == "failed"
+        assert op.result.startswith("timeout after 0.3s with work left: slot 0 pid ")
+        assert "warning: no slot left serving: new connections queue until undrain" in [s["message"] for s in op.steps]
+
+    asyncio.run(main())
+
+
+def test_one_mutating_operation_at_a_time_and_none_while_stopping() -> None:
+    async def main() -> None:
+        f = serving(1)
+        ops = Operations(f)
+        first, gate = held_operation(ops, [0])
+        with pytest.raises(NumaserveError, match=f"operation {first.id} \\(restart\\) is still running"):
+            held_operation(ops, [0], "drain")
+        gate.set()
+        await first.done.wait()
+        assert first.state == "succeeded" and first.result == "held" and f.wake.is_set()
+        f.life.stopping = True
+        with pytest.raises(NumaserveError, match="stopping"):
+            held_operation(ops, [0], "drain")
+
+    asyncio.run(main())
+
+
+def test_a_bug_in_a_body_fails_the_operation_not_the_caller() -> None:
+    async def main() -> None:
+        f = serving(1)
+        ops = Operations(f)
+        seen: list[str] = []
+
+        async def broken(op: Operation) -> str:
+            raise KeyError("x")
+
+        op = ops.start("restart", {}, [0], broken)
+        op.on_finish.append(lambda o: seen.append(o.state))
+        await op.done.wait()
+        assert op.state == "failed" and op.result == "internal error: KeyError: 'x'" and seen == ["failed"]
+
+    asyncio.run(main())
