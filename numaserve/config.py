@@ -62,6 +62,8 @@ class ServerConfig(_Section):
     max_connections: int = 0
     read_timeout: float = 30.0
     access_log: bool = False
+    proxy_headers: bool = False
+    forwarded_allow_ips: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1"])
     steering: Literal["hash", "numa"] = "hash"
     takeover: bool = False
 

@@ -191,8 +191,8 @@ class AdmissionRuntime:
         self.delay_hist.observe(max(0.0, now - permit.enqueued_at) * 1000.0)
 
     def finished(self) -> None:
-        if self.gate.inflight <= 0 and self.busy.is_set():
-            self.busy.clear()
+        """A request ended.  ``busy`` stays set: the sentinel clears it when it finds nothing
+        in flight (setting a ``threading.Event`` takes a lock; once per idle period, not per request)."""
 
     def client_gone(self, conn: Any) -> bool:
         """The client of ``conn`` (a protocol) has closed or reset its connection."""
@@ -383,7 +383,9 @@ class Sentinel(threading.Thread):
         stalled_before = False
         while not self._stop_evt.is_set():
             if gate.inflight <= 0 and not self._pending and not self._linger:
-                rt.busy.wait(1.0)
+                rt.busy.clear()          # then look again: an admission in between sets it anew
+                if gate.inflight <= 0:
+                    rt.busy.wait(1.0)
                 continue
             now = time.monotonic()
             probe = rt.probe
