@@ -119,8 +119,10 @@ class LoopProbe:
     def kick(self) -> None:
         """New work admitted: probe at the short period (arm it if it was stopped)."""
         self.gate.lag.kick()
-        if self._handle is None:
-            self._arm(time.monotonic())
+        if self._handle is None:   # stopped while idle: the loop is running right now, not stalled
+            now = time.monotonic()
+            self.beat = now
+            self._arm(now)
 
     def _arm(self, now: float) -> None:
         loop = self.loop or asyncio.get_running_loop()
