@@ -9,10 +9,10 @@ subclasses, each calling ``super()``:
 * **limits** — uvicorn enforces no header size limit and no timeout until
   the headers are complete (a 2 MB header line is accepted; a connection
   that never sends a byte stays open forever): 431 past
-  ``max_header_bytes`` (counted exactly from the URL/header callbacks, and
-  from raw bytes while the head is incomplete, which catches one endless
-  header line), 408 (or a silent close if nothing arrived) past
-  ``read_timeout``;
+  ``max_header_bytes`` (counted from raw bytes while the head is
+  incomplete, which catches one endless header line, and exactly at
+  head-complete when one read was big enough to hold an oversized head),
+  408 (or a silent close if nothing arrived) past ``read_timeout``;
 * **admission** — with the "cpu" limiter (``numaserve.worker.shedding``)
   the request is decided when its head is complete, before any task
   exists: a refused request costs no task, no ASGI call and is answered
@@ -268,7 +268,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._in_headers = True
-            self._header_bytes = 0      # exact, from callbacks
+            self._exact_head = False    # this read may hold a head over the limit: count it exactly
             self._raw_header_bytes = 0  # received while headers incomplete
             self._too_large = False
             self._header_timer: asyncio.TimerHandle | None = None
@@ -304,6 +304,8 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             if self._ns_drop:
                 return  # answered and closing: the rest of the request is not ours to parse
             self._idle_since = None
+            if self._max_header_bytes:
+                self._exact_head = self._raw_header_bytes + len(data) > self._max_header_bytes
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
@@ -352,27 +354,23 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 "state": self.app_state.copy(),
             }
             self._in_headers = True
-            self._header_bytes = 0
             self._raw_header_bytes = 0
 
-        def on_url(self, url: bytes) -> None:
-            self.url += url
-            self._header_bytes += len(url)
-            if self._max_header_bytes and self._header_bytes > self._max_header_bytes:
+        # on_url / on_header are uvicorn's own: the head is only counted exactly (below) when a
+        # read could hold more than max_header_bytes of it; smaller reads cannot exceed the limit
+        # and a head spread over reads is bounded by the raw count in data_received
+
+        def _check_head_size(self) -> None:
+            n = len(self.url)
+            for name, value in self.headers:
+                n += len(name) + len(value) + 4
+            if n > self._max_header_bytes:
                 self._too_large = True
                 raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError
 
-        def on_header(self, name: bytes, value: bytes) -> None:
-            name = name.lower()
-            if name == b"expect" and value.lower() == b"100-continue":
-                self.expect_100_continue = True
-            self.headers.append((name, value))
-            self._header_bytes += len(name) + len(value) + 4
-            if self._max_header_bytes and self._header_bytes > self._max_header_bytes:
-                self._too_large = True
-                raise _HeaderTooLarge
-
         def on_headers_complete(self) -> None:
+            if self._exact_head:
+                self._check_head_size()
             parser = self.parser
             upgrade = parser.should_upgrade()
             if rt is not None and not upgrade:   # websockets are not gated here
