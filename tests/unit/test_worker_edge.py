@@ -208,3 +208,22 @@ def test_deadline_before_the_response_is_504() -> None:
     asyncio.run(edge(slow, stats, rt)(scope([(b"x-request-timeout", b"0.05")]), conn.receive, conn.send))
     assert conn.sent[0]["status"] == 504 and stats.by_status == {504: 1} and rt.gate.inflight == 0
     assert rt.snapshot()["status_504"] == 1   # the outcome the gate learns from: dropped
+
+
+def test_proxy_headers_are_off_unless_configured_and_checked() -> None:
+    import pytest
+
+    from numaserve.config import ConfigError, load_config
+    from numaserve.worker.serve import build_config
+    from numaserve.worker.spec import WorkerSpec
+
+    base = dict(slot=0, node=0, generation=1, cpus=[0], mempolicy="local", memory_nodes=[0], fd=-1, control="x")
+
+    async def app(s: Any, r: Any, se: Any) -> None:
+        pass
+
+    assert build_config(WorkerSpec(**base), app).proxy_headers is False
+    on = build_config(WorkerSpec(**base, proxy_headers=True, forwarded_allow_ips=["10.0.0.0/8"]), app)
+    assert on.proxy_headers is True and on.forwarded_allow_ips == ["10.0.0.0/8"]
+    with pytest.raises(ConfigError, match="forwarded_allow_ips"):
+        load_config(None, {"server": {"forwarded_allow_ips": ["balancer"]}}, environ={}, use_default_path=False)
