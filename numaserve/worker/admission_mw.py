@@ -36,7 +36,7 @@ from numaserve.loops.gradient import GradientController, GradientSettings
 from numaserve.worker.edge import Edge
 from numaserve.worker.shedding import AdmissionRuntime
 
-__all__ = ["AdmissionMiddleware", "CpuAdmissionMiddleware", "TICK_S", "make_gate", "tick_forever"]
+__all__ = ["TICK_S", "AdmissionMiddleware", "CpuAdmissionMiddleware", "make_gate", "tick_forever"]
 
 TICK_S = 0.05
 

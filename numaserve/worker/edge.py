@@ -42,7 +42,12 @@ from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.admission import Reject, Rejected
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send
-from numaserve.worker.shedding import CONN_KEY, PERMIT_KEY, request_deadline, runnable_tasks
+from numaserve.worker.shedding import (
+    CONN_KEY,
+    PERMIT_KEY,
+    request_deadline,
+    runnable_tasks,
+)
 from numaserve.worker.stats import WorkerStats
 
 __all__ = [
@@ -86,10 +91,20 @@ def _with_close(message: Message) -> Message:
 class _Exchange:
     """One request's state at the edge; ``send``/``receive`` are the only wrappers."""
 
-    __slots__ = ("edge", "raw_send", "raw_receive", "status", "started", "refused", "permit",
-                 "received", "body_done", "read_deadline")
+    __slots__ = (
+        "body_done",
+        "edge",
+        "permit",
+        "raw_receive",
+        "raw_send",
+        "read_deadline",
+        "received",
+        "refused",
+        "started",
+        "status",
+    )
 
-    def __init__(self, edge: "Edge", send: Send, receive: Receive) -> None:
+    def __init__(self, edge: Edge, send: Send, receive: Receive) -> None:
         self.edge = edge
         self.raw_send = send
         self.raw_receive = receive

@@ -19,10 +19,10 @@ from numaserve.worker.edge import LINGER_BYTES, LINGER_S, Edge, LifespanRecord
 from numaserve.worker.stats import WorkerStats
 
 __all__ = [
-    "ASGIApp",
-    "BodyLimitMiddleware",
     "LINGER_BYTES",
     "LINGER_S",
+    "ASGIApp",
+    "BodyLimitMiddleware",
     "LifespanRecord",
     "MetricsMiddleware",
 ]

@@ -25,9 +25,9 @@ import subprocess
 import time
 from typing import Any
 
-import numaserve.loadtest as lt
 import psutil
 
+import numaserve.loadtest as lt
 from benchlib import engine, procs
 from benchlib.common import Ctx, summarize_rows
 from benchlib.servers import Server, ServerConfig
