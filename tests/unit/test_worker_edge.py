@@ -215,7 +215,7 @@ def test_proxy_headers_are_off_unless_configured_and_checked() -> None:
 
     from numaserve.config import ConfigError, load_config
     from numaserve.worker.serve import build_config
-    from numaserve.worker.spec import WorkerSpec
+    from numaserve.worker.spec import WorkerSpec, flat_spec
 
     base = dict(slot=0, node=0, generation=1, cpus=[0], mempolicy="local", memory_nodes=[0], fd=-1, control="x")
 
@@ -223,7 +223,7 @@ def test_proxy_headers_are_off_unless_configured_and_checked() -> None:
         pass
 
     assert build_config(WorkerSpec(**base), app).proxy_headers is False
-    on = build_config(WorkerSpec(**base, proxy_headers=True, forwarded_allow_ips=["10.0.0.0/8"]), app)
+    on = build_config(flat_spec(**base, proxy_headers=True, forwarded_allow_ips=["10.0.0.0/8"]), app)
     assert on.proxy_headers is True and on.forwarded_allow_ips == ["10.0.0.0/8"]
     with pytest.raises(ConfigError, match="forwarded_allow_ips"):
         load_config(None, {"server": {"forwarded_allow_ips": ["balancer"]}}, environ={}, use_default_path=False)
