@@ -11,6 +11,8 @@ with this schema.
 
 from __future__ import annotations
 
+import ipaddress
+
 import math
 import os
 import re
@@ -62,6 +64,8 @@ class ServerConfig(_Section):
     max_connections: int = 0
     read_timeout: float = 30.0
     access_log: bool = False
+    proxy_headers: bool = False
+    forwarded_allow_ips: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1"])
     steering: Literal["hash", "numa"] = "hash"
     takeover: bool = False
 
@@ -373,6 +377,12 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
             parse_bind(cfg.admin.bind)
         except ValueError as e:
             raise bad("admin", "bind", cfg.admin.bind, f'HOST:PORT, [IPV6]:PORT, or "" to disable ({e})') from None
+    for ip in cfg.server.forwarded_allow_ips:
+        if ip != "*":
+            try:
+                ipaddress.ip_network(ip, strict=False)
+            except ValueError:
+                raise bad("server", "forwarded_allow_ips", ip, 'IP addresses or CIDR ranges, or "*"') from None
     if cfg.server.app and cfg.server.cmd:
         raise bad("server", "cmd", cfg.server.cmd, "either server.app or server.cmd, not both")
     if cfg.server.app and not _APP_RE.match(cfg.server.app):

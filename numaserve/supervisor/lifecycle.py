@@ -357,7 +357,9 @@ class Lifecycle:
             if not (first or due):
                 continue
             try:
-                observed = read_placement(w.pid)
+                # re-checks sample each thread's numa_maps more thinly (the kernel walks the page
+                # tables of every line it prints: ~18 ms per worker at 64 KB, ~7 ms at 8 KB)
+                observed = read_placement(w.pid, policy_sample_bytes=65536 if first else 8192)
                 ok, problems = check_placement(
                     observed, cpus=slot.plan.cpus, mempolicy=slot.plan.mempolicy, nodes=slot.plan.memory_nodes
                 )

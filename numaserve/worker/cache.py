@@ -25,18 +25,15 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import Any, Callable
 
 import msgspec
 
 from numaserve.config import CacheConfig
+from numaserve.worker.asgi_types import Message, Receive, Scope, Send
 
 __all__ = ["CacheConfig", "CacheEntry", "CacheMiddleware", "ResponseCache", "fingerprint"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 CACHE_HEADER = b"x-numaserve-cache"
 

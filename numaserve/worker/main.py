@@ -27,12 +27,12 @@ import structlog.tracebacks
 
 from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
 from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
-from numaserve.worker.cache import CacheMiddleware, ResponseCache
+from numaserve.worker.cache import ResponseCache
 from numaserve.supervisor.workerauth import take_token
 from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
 from numaserve.worker.fdwatch import FdWatch
-from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
-from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
+from numaserve.worker.edge import LifespanRecord, build_stack
+from numaserve.worker.serve import WorkerServer, loop_factory, open_listener
 from numaserve.worker.sniff import frame_stats
 from numaserve.worker.spec import WorkerSpec, spec_from_env
 from numaserve.worker.stats import WorkerStats
@@ -105,7 +105,7 @@ class Worker:
         self.channel: ControlChannel | None = None
         self.dispatcher: CommandDispatcher | None = None
         self.server: WorkerServer | None = None
-        self.admission: Any = None  # AdmissionMiddleware when [admission] enabled
+        self.admission: Any = None  # the Edge when [admission] enabled (its gate, rt, snapshot)
         self.cache: ResponseCache | None = ResponseCache(spec.cache) if spec.cache.enabled else None
         self.orphaned = False
         self._stop_deadline: float | None = None  # time.monotonic() value
@@ -344,29 +344,15 @@ class Worker:
             return EXIT_APP_LOAD_FAILED, f"app load failed: {e}"
         if spec.gc_freeze:
             gc.freeze()  # import-time objects leave the GC's scans for good
-        if self.cache is not None:
-            app = CacheMiddleware(app, self.cache)
+        stack = build_stack(spec, app, self.stats, self.lifespan, self.cache)
+        runtime = stack.runtime
+        if runtime is not None or stack.gate is not None:
+            self.admission = stack.edge
+        if stack.gate is not None:
+            from numaserve.worker.admission_mw import tick_forever
 
-        inner: Any = BodyLimitMiddleware(app, spec.max_body_bytes, spec.read_timeout, self.stats)
-        runtime = None
-        if spec.admission.enabled and spec.admission.limiter == "cpu":
-            from numaserve.worker.admission_mw import CpuAdmissionMiddleware
-            from numaserve.worker.shedding import AdmissionRuntime
-
-            runtime = AdmissionRuntime(spec.admission)
-            self.admission = CpuAdmissionMiddleware(inner, runtime)
-            inner = self.admission
-        elif spec.admission.enabled:
-            from numaserve.worker.admission_mw import AdmissionMiddleware, make_gate, tick_forever
-
-            self.admission = AdmissionMiddleware(
-                inner, make_gate(spec.admission, spec.gradient if spec.admission.limiter == "gradient" else None),
-                default_timeout_s=spec.admission.request_timeout_s)
-            inner = self.admission
-            self._spawn(tick_forever(self.admission.gate))
-        wrapped = MetricsMiddleware(inner, self.stats, self.lifespan)
-        self.server = WorkerServer(build_config(spec, wrapped, stats=self.stats, admission=runtime),
-                                   on_started=self._on_started)
+            self._spawn(tick_forever(stack.gate))
+        self.server = WorkerServer(stack.config, on_started=self._on_started)
         if runtime is not None and not spec.tls.enabled:  # TLS: the sentinel cannot answer
             server = self.server
             loop = asyncio.get_running_loop()

@@ -9,13 +9,11 @@ connections`` (protocol objects whose ``shutdown()`` closes an idle
 connection or marks a busy one to close after its response; websockets
 are closed by ``close_websocket`` at the drain deadline instead).
 
-uvicorn's httptools protocol enforces no header size limit and no timeout
-until the headers are complete (measured: a 2 MB header line is accepted; a
-connection that never sends a byte stays open forever), so the default
-protocol is a small subclass that adds both: 431 past ``max_header_bytes``,
-408 (or a silent close if nothing arrived) past ``read_timeout``.  It also
-gives uvicorn's own 400 (unparsable request) and 503 (``limit_concurrency``)
-the JSON error body of ``numaserve.errors_http``.
+The default HTTP protocol is ``numaserve.worker.httpproto`` (uvicorn's
+httptools protocol with header limits, admission at head-complete and a
+leaner request cycle, in one class); ``build_config`` stacks the
+per-connection layers around it (sniffing, locality counting).  The whole
+worker is assembled in ``numaserve.worker.edge.build_stack``.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from typing import Any, Callable, Generator, Sequence
 
 import uvicorn
 
-from numaserve.errors_http import error_body, error_headers
+from numaserve.worker.httpproto import connection_limit_503, guarded_httptools_protocol
 from numaserve.worker.spec import WorkerSpec
 
 __all__ = [
@@ -79,155 +77,15 @@ def open_listener(fd: int) -> socket.socket:
     return sock
 
 
-async def connection_limit_503(scope: Any, receive: Any, send: Any) -> None:
-    """The answer past ``server.max_connections``: uvicorn's 503, in the error shape."""
-    body = error_body(503, "server.max_connections reached: try again")
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [*error_headers(503, body), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """The httptools protocol with a header size limit and a header timeout."""
-    from uvicorn.protocols.http.flow_control import service_unavailable
-    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-
-    class _HeaderTooLarge(Exception):
-        pass
-
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        """HttpToolsProtocol + 431 for huge headers + 408 for slow headers.
-
-        Header size is counted two ways: exactly from the URL/header callbacks
-        (catches a huge header block that arrives in one read), and from raw
-        bytes received while the headers are still incomplete (catches one
-        endless header line before httptools finishes buffering it; exact up
-        to one read chunk).
-        """
-
-        _max_header_bytes = max_header_bytes
-        _header_timeout = header_timeout
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._in_headers = True
-            self._header_bytes = 0      # exact, from callbacks
-            self._raw_header_bytes = 0  # received while headers incomplete
-            self._too_large = False
-            self._header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.transport.is_closing() or not self._in_headers:
-                return
-            self._raw_header_bytes += len(data)
-            if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
-                self._reject(431, self._too_large_message())
-                return
-            if self._header_timer is None:
-                self._arm_header_timer()
-
-        def send_400_response(self, msg: str) -> None:
-            if self._too_large:  # our callback stopped the parser: say why
-                self._reject(431, self._too_large_message())
-            else:  # uvicorn's own 400 ("Invalid HTTP request received."), in our error shape
-                self._reject(400, msg, log=False)  # uvicorn already logged it
-
-        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-            if app is service_unavailable:  # server.max_connections reached: uvicorn's text 503
-                app = connection_limit_503
-            super()._start_asgi_task(cycle, app)
-
-        def _too_large_message(self) -> str:
-            return f"request header fields too large: over server.max_header_bytes ({self._max_header_bytes} bytes)"
-
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._max_header_bytes and self._header_bytes > self._max_header_bytes:
-                self._too_large = True
-                raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError -> 400 path
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._in_headers = True
-            self._header_bytes = 0
-            self._raw_header_bytes = 0
-
-        def on_url(self, url: bytes) -> None:
-            super().on_url(url)
-            self._count(len(url))
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            super().on_header(name, value)
-            self._count(len(name) + len(value) + 4)
-
-        def on_headers_complete(self) -> None:
-            self._in_headers = False
-            self._cancel_header_timer()
-            super().on_headers_complete()
-
-        def _arm_header_timer(self) -> None:
-            if self._header_timeout and self._header_timeout > 0:
-                self._cancel_header_timer()
-                self._header_timer = self.loop.call_later(self._header_timeout, self._on_header_timeout)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _busy(self) -> bool:
-            return self.cycle is not None and not self.cycle.response_complete
-
-        def _on_header_timeout(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing():
-                return
-            if self._busy():  # a pipelined request is still being answered: wait for it
-                self._arm_header_timer()
-                return
-            if self._in_headers and self._raw_header_bytes > 0:
-                self._reject(408, "request header not received within server.read_timeout "
-                                  f"({self._header_timeout:g} s)")
-            elif self.cycle is None:
-                self.transport.close()  # connected, never sent a byte
-
-        def _reject(self, status: int, msg: str, log: bool = True) -> None:
-            self._cancel_header_timer()
-            if self._busy():
-                self.transport.close()  # cannot interleave a status into a running response
-                return
-            body = error_body(status, msg)
-            content = [STATUS_LINE[status]]
-            for name, value in [*self.server_state.default_headers, *error_headers(status, body),
-                                (b"connection", b"close")]:
-                content.extend([name, b": ", value, b"\r\n"])
-            content.extend([b"\r\n", body])
-            if log:
-                self.logger.warning("%s: %d", msg, status)
-            self.transport.write(b"".join(content))
-            self.transport.close()
-
-    return GuardedHttpToolsProtocol
-
-
-def _http_protocol(spec: WorkerSpec) -> Any:
+def _http_protocol(spec: WorkerSpec, admission: Any = None) -> Any:
     if spec.http in ("auto", "httptools"):
         try:
-            import httptools
+            import httptools  # noqa: F401
         except ImportError:
             if spec.http == "httptools":
                 raise
             return "h11"
-        return guarded_httptools_protocol(spec.max_header_bytes, spec.read_timeout)
+        return guarded_httptools_protocol(spec.max_header_bytes, spec.read_timeout, admission)
     return spec.http  # "h11": h11's own max_incomplete_event_size applies
 
 
@@ -268,13 +126,9 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
     """The uvicorn Config for this worker (logging left to us: ``log_config=None``).
 
     ``admission``: an ``AdmissionRuntime`` deciding admission in the HTTP
-    protocol at head-complete (httptools only; h11 is decided by the middleware).
+    protocol at head-complete (httptools only; h11 is decided by the edge).
     """
-    http = _http_protocol(spec)
-    if admission is not None and not isinstance(http, str):
-        from numaserve.worker.shedding import admission_protocol
-
-        http = admission_protocol(http, admission)
+    http = _http_protocol(spec, admission)
     if spec.framing.enabled:  # frames and HTTP on the same port (numaserve.worker.sniff)
         from numaserve.worker.sniff import sniffing_protocol
 
@@ -297,6 +151,10 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
         h11_max_incomplete_event_size=spec.max_header_bytes,
         limit_concurrency=spec.max_connections or None,
         access_log=spec.access_log,
+        # off unless configured: uvicorn's default trusts X-Forwarded-* from 127.0.0.1 and
+        # pays a middleware per request for it (server.proxy_headers, forwarded_allow_ips)
+        proxy_headers=spec.proxy_headers,
+        forwarded_allow_ips=list(spec.forwarded_allow_ips),
         log_config=None,
         server_header=False,
         date_header=True,

@@ -4,14 +4,15 @@
   while requests are in flight; how late it fires is the loop lag the gate
   sheds on.  It also stamps ``beat`` (the sentinel's freshness signal) and
   samples the CPU of the loop's thread and of the process (thread pools).
-* ``admission_protocol`` — a subclass of the HTTP protocol (httptools) that
-  decides admission when a request's head is complete, before any task is
-  created: a refused request costs no task, no ASGI call and is answered
-  (503 + Retry-After + ``Connection: close``) in the same loop iteration its
-  bytes were read.  When the loop was late it reads the socket's
-  ``TCP_INFO``: ``tcpi_last_data_recv`` (how long the request sat in the
-  kernel) back-dates its arrival, and a ``CLOSE_WAIT`` state (the client
-  already gave up and closed) means the request is not run at all.
+* the protocol hook — the worker's HTTP protocol (``numaserve.worker.
+  httpproto``) decides admission when a request's head is complete, before
+  any task is created, with the helpers here: a refused request costs no
+  task, no ASGI call and is answered (``reject_response``: 503 +
+  Retry-After + ``Connection: close``) in the same loop iteration its bytes
+  were read.  When the loop was late it reads the socket's ``TCP_INFO``
+  (``tcp_wait_and_state``): ``tcpi_last_data_recv`` (how long the request
+  sat in the kernel) back-dates its arrival, and a ``CLOSE_WAIT`` state
+  (the client already gave up and closed) means the request is not run.
 * ``Sentinel`` — a thread per worker.  While the loop is stalled (one call
   holding it: a blocking handler) the in-loop gate cannot act; the thread
   watches the listener's accept queue (``TCP_INFO`` on the listening socket
@@ -51,7 +52,6 @@ __all__ = [
     "AdmissionRuntime",
     "LoopProbe",
     "Sentinel",
-    "admission_protocol",
     "overload_response",
     "tcp_wait_and_state",
 ]
@@ -119,8 +119,10 @@ class LoopProbe:
     def kick(self) -> None:
         """New work admitted: probe at the short period (arm it if it was stopped)."""
         self.gate.lag.kick()
-        if self._handle is None:
-            self._arm(time.monotonic())
+        if self._handle is None:   # stopped while idle: the loop is running right now, not stalled
+            now = time.monotonic()
+            self.beat = now
+            self._arm(now)
 
     def _arm(self, now: float) -> None:
         loop = self.loop or asyncio.get_running_loop()
@@ -191,8 +193,8 @@ class AdmissionRuntime:
         self.delay_hist.observe(max(0.0, now - permit.enqueued_at) * 1000.0)
 
     def finished(self) -> None:
-        if self.gate.inflight <= 0 and self.busy.is_set():
-            self.busy.clear()
+        """A request ended.  ``busy`` stays set: the sentinel clears it when it finds nothing
+        in flight (setting a ``threading.Event`` takes a lock; once per idle period, not per request)."""
 
     def client_gone(self, conn: Any) -> bool:
         """The client of ``conn`` (a protocol) has closed or reset its connection."""
@@ -253,88 +255,6 @@ def request_deadline(headers: Any, arrived: float, default_s: float) -> float | 
     return arrived + default_s if default_s > 0 else None
 
 
-class _Quiet:
-    """A logger that says nothing (see ``AdmissionProtocol.logger``)."""
-
-    level = 100
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
-_QUIET = _Quiet()
-
-
-class _Stop(Exception):
-    """Raised from a parser callback to stop parsing: the request was answered or dropped."""
-
-
-def admission_protocol(base: type, rt: AdmissionRuntime) -> type:
-    """``base`` (uvicorn's httptools protocol or a subclass) deciding admission at head-complete."""
-    gate = rt.gate
-    clock = rt.clock
-    default_timeout = rt.s.request_timeout_s
-
-    class AdmissionProtocol(base):  # type: ignore[misc, valid-type]
-        _ns_reject: Reject | None = None
-        _ns_drop = False
-        _ns_logger: Any = None
-
-        # uvicorn logs "Invalid HTTP request received." when a parser callback raises; ours
-        # raises on purpose to stop parsing a refused request: keep that out of the log
-        @property
-        def logger(self) -> Any:
-            return _QUIET if (self._ns_reject is not None or self._ns_drop) else self._ns_logger
-
-        @logger.setter
-        def logger(self, value: Any) -> None:
-            self._ns_logger = value
-
-        def data_received(self, data: bytes) -> None:
-            if self._ns_drop:
-                return  # answered and closing: the rest of the request is not ours to parse
-            super().data_received(data)
-
-        def on_headers_complete(self) -> None:
-            if self.parser.should_upgrade():  # websockets: not gated here
-                super().on_headers_complete()
-                return
-            now = clock()
-            arrived = now
-            if rt.loop_late(now):
-                got = tcp_wait_and_state(self.transport.get_extra_info("socket"))
-                if got is not None:
-                    if got[1] != TCP_ESTABLISHED:   # the client already gave up: do not run it
-                        gate.client_gone(now)
-                        self._ns_drop = True
-                        raise _Stop
-                    arrived = now - got[0]
-            d = gate.try_admit(now, deadline=request_deadline(self.headers, arrived, default_timeout),
-                               runnable=runnable_tasks)
-            if isinstance(d, Reject):
-                self._ns_reject = d
-                raise _Stop
-            d.permit.enqueued_at = arrived
-            self.scope[PERMIT_KEY] = d.permit  # type: ignore[literal-required]
-            self.scope[CONN_KEY] = self  # type: ignore[literal-required]
-            rt.admitted()
-            super().on_headers_complete()
-
-        def send_400_response(self, msg: str) -> None:
-            rej, self._ns_reject = self._ns_reject, None
-            if rej is None and not self._ns_drop:
-                super().send_400_response(msg)
-                return
-            self._ns_drop = True
-            if rej is not None:
-                rt.edge_rejected[rej.status] = rt.edge_rejected.get(rej.status, 0) + 1
-                self.transport.write(reject_response(rej))
-            self.transport.close()
-
-    AdmissionProtocol.__name__ = f"Admission{base.__name__}"
-    return AdmissionProtocol
-
-
 class Sentinel(threading.Thread):
     """Answers 503 from the accept queue while the loop is stalled (see the module docstring)."""
 
@@ -383,7 +303,9 @@ class Sentinel(threading.Thread):
         stalled_before = False
         while not self._stop_evt.is_set():
             if gate.inflight <= 0 and not self._pending and not self._linger:
-                rt.busy.wait(1.0)
+                rt.busy.clear()          # then look again: an admission in between sets it anew
+                if gate.inflight <= 0:
+                    rt.busy.wait(1.0)
                 continue
             now = time.monotonic()
             probe = rt.probe

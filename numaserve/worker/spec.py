@@ -48,6 +48,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     read_timeout = property(lambda self: self.server.read_timeout)
     max_connections = property(lambda self: self.server.max_connections)
     access_log = property(lambda self: self.server.access_log)
+    proxy_headers = property(lambda self: self.server.proxy_headers)
+    forwarded_allow_ips = property(lambda self: self.server.forwarded_allow_ips)
 
     def to_env(self) -> str:
         return msgspec.json.encode(self).decode()

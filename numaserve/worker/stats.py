@@ -124,6 +124,11 @@ class WindowedHistogram:
         self._ring = [LatencyHistogram() for _ in range(max(1, slots))]
         self._cur = 0
 
+    @property
+    def current(self) -> LatencyHistogram:
+        """The slot being filled now."""
+        return self._ring[self._cur]
+
     def observe(self, ms: float) -> None:
         self._ring[self._cur].observe(ms)
 
@@ -163,14 +168,21 @@ def read_rss_bytes(path: str = "/proc/self/statm") -> int:
 
 
 class WorkerStats:
-    """Everything the worker reports, updated by the ASGI middleware."""
+    """Everything the worker reports, updated by the edge (``numaserve.worker.edge``).
+
+    The per-request update is a few attribute and list increments: the
+    status is counted by its number (classes are formed per report), the
+    latency goes into the current window slot only (one bucket lookup), and
+    that slot is folded into the cumulative histogram when the window
+    rotates, once per stats interval.
+    """
 
     def __init__(self, window_slots: int = 10) -> None:
         self.requests = 0          # completed (any outcome)
         self.inflight = 0
-        self.status_classes: dict[str, int] = {}
+        self.by_status: dict[int, int] = {}
         self.window = WindowedHistogram(window_slots)
-        self.cumulative = LatencyHistogram()
+        self._folded = LatencyHistogram()   # cumulative, up to the last rotation
         self.draining = False
         self.rejected_body_too_large = 0
         self.rejected_read_timeout = 0
@@ -192,30 +204,55 @@ class WorkerStats:
     def request_finished(self, status: int, latency_ms: float) -> None:
         self.inflight -= 1
         self.requests += 1
-        cls = status_class(status)
-        self.status_classes[cls] = self.status_classes.get(cls, 0) + 1
-        self.window.observe(latency_ms)
-        self.cumulative.observe(latency_ms)
+        by = self.by_status
+        by[status] = by.get(status, 0) + 1
+        h = self.window.current
+        if latency_ms < 0.0:
+            latency_ms = 0.0
+        h.counts[bisect.bisect_left(BUCKET_UPPER_MS, latency_ms)] += 1
+        h.count += 1
+        h.sum_ms += latency_ms
+        if latency_ms > h.max_ms:
+            h.max_ms = latency_ms
+
+    @property
+    def status_classes(self) -> dict[str, int]:
+        """Completed requests by status class ("2xx" ...)."""
+        out: dict[str, int] = {}
+        for status, n in self.by_status.items():
+            cls = status_class(status)
+            out[cls] = out.get(cls, 0) + n
+        return out
+
+    @property
+    def cumulative(self) -> LatencyHistogram:
+        """Every latency since start (a copy: folded intervals plus the current one)."""
+        out = LatencyHistogram()
+        out.merge(self._folded)
+        out.merge(self.window.current)
+        return out
 
     def snapshot(self, *, connections: int = 0, rss_bytes: int | None = None,
                  rotate: bool = True) -> dict[str, Any]:
         """Keyword arguments for ``Stats`` (minus slot/generation); rotates the window."""
         summary = self.window.merged().summary()
+        cumulative = self.cumulative
         if rotate:
+            self._folded.merge(self.window.current)
             self.window.rotate()
         return {
             "requests": self.requests,
             "inflight": self.inflight,
             "connections": connections,
-            "status_classes": dict(self.status_classes),
+            "status_classes": self.status_classes,
             "latency_ms": summary,
             "rss_bytes": read_rss_bytes() if rss_bytes is None else rss_bytes,
             "draining": self.draining,
             "extra": {
-                "latency_buckets": list(self.cumulative.counts),
+                "latency_buckets": list(cumulative.counts),
                 "latency_bucket_schema": BUCKET_SCHEMA,
-                "latency_count": self.cumulative.count,
-                "latency_sum_ms": round(self.cumulative.sum_ms, 3),
+                "latency_count": cumulative.count,
+                "latency_sum_ms": round(cumulative.sum_ms, 3),
                 "rejected_body_too_large": self.rejected_body_too_large,
                 "rejected_read_timeout": self.rejected_read_timeout,
                 "connections_local": self.conn_local,

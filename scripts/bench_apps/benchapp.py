@@ -12,6 +12,8 @@ requests per worker without asking the server):
                    CPU time rather than wall time so a busy shared machine
                    does not change the amount of work, only how long it takes.
 - ``/cpu5``, ``/cpu20``  the same with N fixed at 5 and 20 (no query parsing).
+- ``/sse100``      a server-sent-event stream of 100 small events sent back to
+                   back (chunked encoding): measures per-chunk overhead.
 - ``/cpu?ms=N&yield_ms=Y``, ``/cpu20y``  the same work in slices of Y ms
                    (``/cpu20y``: 20 ms in 5 ms slices) with an
                    ``await asyncio.sleep(0)`` between them, like an async
@@ -144,6 +146,13 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         _count()
     if path == "/":
         await _respond(send, 200, b'{"pid":%d}' % os.getpid())
+        return
+    if path == "/sse100":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        for i in range(100):
+            await send({"type": "http.response.body", "body": b"data: {\"token\": %d}\n\n" % i, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     work = _cpu_ms(scope)
     if work is None:

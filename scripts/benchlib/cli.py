@@ -15,7 +15,9 @@ from typing import Any, Callable
 from benchlib import env
 from benchlib.common import Ctx
 
-SCENARIOS = ("throughput", "overload", "admission", "resilience", "balance", "overhead", "startup")
+SCENARIOS = ("throughput", "hotpath", "overload", "admission", "resilience", "balance", "overhead", "startup")
+#: What runs without --scenarios ("hotpath" adds granian and wrk and 32-worker runs: asked for by name).
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "hotpath")
 
 
 def _runner(name: str) -> Callable[[Ctx], dict[str, Any]]:
@@ -34,8 +36,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="CI size: every scenario, short runs, 1 repetition (< 3 min)")
     ap.add_argument("--out", type=Path, default=env.DOCS, help=f"output directory (default {env.DOCS})")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 1 quick, 3 full)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
-                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                    help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but hotpath)")
     ap.add_argument("--servers", default="numaserve,uvicorn,gunicorn", help="comma-separated subset")
     ap.add_argument("--no-install", action="store_true", help="fail instead of pip-installing missing peers")
     ap.add_argument("--no-plots", action="store_true")

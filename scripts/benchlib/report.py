@@ -9,7 +9,7 @@ from typing import Any
 
 from benchlib.common import fmt
 
-SERVER_ORDER = ("numaserve", "uvicorn", "gunicorn")
+SERVER_ORDER = ("numaserve", "uvicorn", "gunicorn", "granian")
 
 
 def _srv_key(name: str) -> tuple[int, str]:
@@ -151,7 +151,20 @@ def md_startup(s: dict[str, Any]) -> list[str]:
                   [[r["server"], fmt(r["first_answer_s"], 2), fmt(r["all_ready_s"], 2)] for r in rows])
 
 
-RENDER = {"throughput": md_throughput, "overload": md_overload, "resilience": md_resilience,
+def md_hotpath(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: (r["variant"], r["placement"], _srv_key(r["server"])))
+    out = _table(
+        ["request", "placement", "server", "req/s", "server CPU µs/req", "server CPU µs/chunk", "failed"],
+        [[r["variant"], r["placement"], r["server"], fmt(r["rps"], 0), fmt(r["server_cpu_us_per_req"], 1),
+          fmt(r["server_cpu_us_per_chunk"], 2), fmt(r["failed"], 0, spread=False)] for r in rows])
+    idle = s.get("supervisor_idle") or {}
+    if idle:
+        out += ["", f"Supervisor idle CPU with {idle['workers']} workers: {idle['supervisor_idle_cpu_pct']} % of a CPU "
+                    f"({idle['supervisor_cpu_s']} s over {idle['window_s']} s)."]
+    return out
+
+
+RENDER = {"hotpath": md_hotpath, "throughput": md_throughput, "overload": md_overload, "resilience": md_resilience,
           "balance": md_balance, "overhead": md_overhead, "admission": md_admission, "startup": md_startup}
 
 

@@ -5,6 +5,7 @@
   quiet JSON logs: what an operator gets out of the box.
 - ``uvicorn --workers N`` (its own multiprocess supervisor, one shared socket).
 - ``gunicorn -k <UvicornWorker> -w N`` (gunicorn's arbiter, one shared socket).
+- ``granian --interface asgi --workers N`` (Rust HTTP stack; the hot-path scenario only).
 
 Readiness has two meanings, measured the same way for every server where the
 server lets us: *first answer* (the port returns 200) and *all ready* (every
@@ -45,6 +46,9 @@ format = "json"
 """
 
 KINDS = ("numaserve", "uvicorn", "gunicorn")
+#: Peers only some scenarios run (they bind their own sockets and have no reload/kill story
+#: the other scenarios measure): granian (Rust HTTP server, ASGI interface).
+EXTRA_KINDS = ("granian",)
 
 
 @dataclass
@@ -83,7 +87,7 @@ class Server:
     """One running server under test; always ``stop()`` it (use ``with``)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
-        if cfg.kind not in KINDS:
+        if cfg.kind not in KINDS + EXTRA_KINDS:
             raise ValueError(f"unknown server kind {cfg.kind!r}")
         self.cfg = cfg
         self.tmp = Path(tempfile.mkdtemp(prefix=f"bench-{cfg.kind}-"))
@@ -112,6 +116,10 @@ class Server:
             return [sys.executable, "-m", "uvicorn", c.app, "--app-dir", str(APP_DIR), "--host", "127.0.0.1",
                     "--port", str(self.port), "--workers", str(c.workers), "--no-access-log",
                     "--log-level", "info"]
+        if c.kind == "granian":  # the way its users run it; the app dir is on PYTHONPATH
+            return [sys.executable, "-m", "granian", "--interface", "asgi", "--workers", str(c.workers),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log", "--log-level", "info",
+                    c.app]
         return [sys.executable, "-m", "gunicorn", "-k", peer_worker_class(), "-w", str(c.workers),
                 "-b", f"127.0.0.1:{self.port}", "--chdir", str(APP_DIR), "--log-level", "info",
                 "--error-logfile", "-", c.app]
@@ -184,6 +192,8 @@ class Server:
                 return False
             slots = st.get("slots") or []
             return bool(slots) and all(s.get("state") == "ready" for s in slots)
+        if self.cfg.kind == "granian":  # no per-worker start-up line to count: its workers and an answer
+            return len(self.worker_pids()) >= self.cfg.workers and http_ok(self.url + "/", timeout=1.0)
         return self.startup_lines() >= self.cfg.workers and len(self.worker_pids()) >= self.cfg.workers
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, float]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from numaserve.worker import middleware
+from numaserve.worker import edge
 from numaserve.worker.middleware import BodyLimitMiddleware, LifespanRecord, MetricsMiddleware
 from numaserve.worker.stats import WorkerStats
 
@@ -282,7 +282,7 @@ def test_client_waiting_for_100_continue_is_answered_without_reading() -> None:
 
 
 def test_linger_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(middleware, "LINGER_S", 0.05)
+    monkeypatch.setattr(edge, "LINGER_S", 0.05)  # the lingering read lives in the edge module
     conn = Conn()  # the rest of the body never comes
     run(BodyLimitMiddleware(echo_app(), 100, 5.0), http_scope([(b"content-length", b"101")]), conn)
     assert conn.status == 413 and conn.sent[-1]["more_body"] is False

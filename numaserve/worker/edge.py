@@ -1,0 +1,513 @@
+"""The worker's edge: ONE ASGI layer for metrics, admission and body limits, and the assembly.
+
+Every HTTP request of a worker passes through exactly one ``Edge`` (HTTP
+parsed by uvicorn's protocol, frames from ``numaserve.worker.sniff`` and
+h11 alike), with one ``send`` wrapper and, only when the request has a
+body, one ``receive`` wrapper.  Per request it:
+
+* counts it (``WorkerStats``: in flight, status, latency — a few increments);
+* finishes admission: the "cpu" limiter decided in the protocol at
+  head-complete and left its permit in the scope (``numaserve.worker.
+  shedding``); requests the protocol did not see (frames, h11) are decided
+  here by the same gate; limiters "gradient"/"static" acquire their
+  ``AdmissionGate`` here.  A request whose client left while it waited is
+  not run.  Deadlines (``x-request-timeout`` or the default) give 504 before
+  the response starts.  The permit is released when the request ends, or
+  when its response turns out to be a stream (its first body chunk has
+  ``more_body``): a stream between two chunks uses no CPU and holds no
+  permit (docs/admission.md);
+* enforces ``server.max_body_bytes`` (413, after a bounded lingering read of
+  the rest of the body so the client gets the answer, not an RST) and
+  ``server.read_timeout`` for the body (408), answered here, never by
+  raising into the app: the app's ``receive()`` returns ``http.disconnect``
+  as if the client left;
+* adds ``Connection: close`` to responses while the worker drains (and,
+  with ``admission.close_when_overloaded``, while it sheds).
+
+``build_stack`` assembles the whole worker: the ASGI chain (Edge -> cache ->
+app) and the uvicorn config with the protocol chain (``numaserve.worker.
+serve.build_config``: locality counting, sniffing, the guarded httptools
+protocol with the admission hook).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from numaserve.errors_http import error_body, error_headers
+from numaserve.loops.admission import Reject, Rejected
+from numaserve.worker.appload import describe_exception
+from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send
+from numaserve.worker.shedding import (
+    CONN_KEY,
+    PERMIT_KEY,
+    request_deadline,
+    runnable_tasks,
+)
+from numaserve.worker.stats import WorkerStats
+
+__all__ = [
+    "LINGER_BYTES",
+    "LINGER_S",
+    "Edge",
+    "LifespanRecord",
+    "Stack",
+    "build_stack",
+]
+
+logger = logging.getLogger("numaserve.edge")
+
+_CLOSE = (b"connection", b"close")
+
+#: After a 413 the rest of the body is read and dropped for up to this long /
+#: this many bytes before the connection closes (nginx's lingering close):
+#: closing with unread data makes the kernel send RST, and a client still
+#: writing its body (httpx, requests) would lose the answer.
+LINGER_S = 2.0
+LINGER_BYTES = 64 * 1024 * 1024
+
+
+class LifespanRecord:
+    """What the app said during lifespan startup (read by the worker on failure)."""
+
+    def __init__(self) -> None:
+        self.startup_failed_message: str | None = None
+        self.exception: str | None = None
+
+
+def _with_close(message: Message) -> Message:
+    headers = list(message.get("headers", ()))
+    if not any(k.lower() == b"connection" and b"close" in v.lower() for k, v in headers):
+        headers.append(_CLOSE)
+    out = dict(message)
+    out["headers"] = headers
+    return out
+
+
+class _Exchange:
+    """One request's state at the edge; ``send``/``receive`` are the only wrappers."""
+
+    __slots__ = (
+        "body_done",
+        "edge",
+        "permit",
+        "raw_receive",
+        "raw_send",
+        "read_deadline",
+        "received",
+        "refused",
+        "started",
+        "status",
+    )
+
+    def __init__(self, edge: Edge, send: Send, receive: Receive) -> None:
+        self.edge = edge
+        self.raw_send = send
+        self.raw_receive = receive
+        self.status = 0          # the response status (0: none yet)
+        self.started = False
+        self.refused = 0         # the status the edge answered instead of the app (0: none)
+        self.permit: Any = None  # the admission permit while held
+        self.received = 0
+        self.body_done = False
+        self.read_deadline: float | None = None
+
+    async def send(self, message: Message) -> None:
+        if self.refused:
+            return  # the edge answered (or gave up on) this exchange
+        if not self.started:
+            if message["type"] == "http.response.start":
+                self.started = True
+                self.status = int(message["status"])
+                edge = self.edge
+                if edge.closing():
+                    message = _with_close(message)
+        elif self.permit is not None and message.get("more_body", False):
+            self.edge.release(self.permit, "ok")   # a stream: no permit between chunks
+            self.permit = None
+        await self.raw_send(message)
+
+    async def receive(self) -> Message:
+        if self.refused:
+            return {"type": "http.disconnect"}
+        deadline = self.read_deadline
+        if self.body_done or deadline is None:
+            message = await self.raw_receive()
+        else:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await self.raw_receive()
+            except TimeoutError:
+                return await self.refuse(408, "request body not received within server.read_timeout "
+                                              f"({self.edge.read_timeout:g} s)")
+        if message["type"] == "http.request" and not self.body_done:
+            self.received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.body_done = True
+            limit = self.edge.max_body_bytes
+            if limit > 0 and self.received > limit:
+                return await self.refuse(413, _too_large(limit))
+        return message
+
+    async def refuse(self, status: int, message: str) -> Message:
+        """A body limit hit: answer here (unless the app already started), the app sees a disconnect."""
+        self.refused = status
+        self.edge.count_refusal(status)
+        if self.started:
+            logger.warning("%s after the response started: the connection is closed", message)
+        else:
+            self.started = True
+            self.status = status
+            await answer(self.raw_send, status, message, self.raw_receive if status == 413 else None)
+        return {"type": "http.disconnect"}
+
+    async def answer(self, status: int, message: str, *, retry_after: int | None = None,
+                     close: bool = False) -> None:
+        """An error the edge sends instead of the app (admission refusal, deadline)."""
+        self.started = True
+        self.status = status
+        body = error_body(status, message)
+        headers = error_headers(status, body, retry_after or 1)
+        if close:
+            headers.append(_CLOSE)
+        await self.raw_send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.raw_send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Edge:
+    """The one edge layer (see the module docstring).
+
+    ``stats``: count requests (and close connections while draining);
+    ``limit_stats``: where 413/408 refusals are counted (default ``stats``);
+    ``cpu``: an ``AdmissionRuntime`` (limiter "cpu"); ``gate``: an
+    ``AdmissionGate`` (limiters "gradient"/"static"); ``max_body_bytes`` /
+    ``read_timeout``: the body limits (0: none).
+    """
+
+    def __init__(self, app: ASGIApp, *, stats: WorkerStats | None = None, lifespan: LifespanRecord | None = None,
+                 cpu: Any = None, gate: Any = None, default_timeout_s: float = 0.0,
+                 max_body_bytes: int = 0, read_timeout: float = 0.0,
+                 limit_stats: WorkerStats | None = None) -> None:
+        self.app = app
+        self.stats = stats
+        self.lifespan = lifespan if lifespan is not None else LifespanRecord()
+        self.cpu = cpu
+        self.rt = cpu      # (the worker's name for it: sentinel start/stop, set_limits)
+        self.gate = cpu.gate if cpu is not None else gate
+        self._async_gate = gate if cpu is None else None
+        if cpu is not None:
+            default_timeout_s = cpu.s.request_timeout_s
+        self.default_timeout_s = default_timeout_s
+        self.close_when_overloaded = bool(cpu is not None and cpu.s.close_when_overloaded)
+        self.gone_after = cpu.s.gone_check_after_s if cpu is not None else 0.0
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
+        self.limit_stats = limit_stats if limit_stats is not None else stats
+        self.rejected: dict[int, int] = {}
+
+    # --- the per-request pieces the exchange calls -----------------------------------------
+
+    def closing(self) -> bool:
+        """Responses say ``Connection: close`` now (draining, or shedding when configured)."""
+        stats = self.stats
+        if stats is not None and stats.draining:
+            return True
+        return self.close_when_overloaded and self.gate.shedding(self.cpu.clock())
+
+    def release(self, permit: Any, outcome: str) -> None:
+        cpu = self.cpu
+        if cpu is not None:
+            self.gate.release(cpu.clock(), permit, outcome)
+            cpu.finished()
+        else:
+            self.gate.release(permit, outcome)
+
+    def count_refusal(self, status: int) -> None:
+        stats = self.limit_stats
+        if stats is not None:
+            if status == 413:
+                stats.rejected_body_too_large += 1
+            else:
+                stats.rejected_read_timeout += 1
+
+    # --- ASGI -----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            ex = _Exchange(self, send, receive)
+            stats = self.stats
+            if stats is None:
+                await self._http(scope, ex)
+                return
+            stats.inflight += 1
+            t0 = time.perf_counter()
+            try:
+                await self._http(scope, ex)
+            finally:
+                # no response: uvicorn answers 500 (app raised or returned without one) or the client left
+                stats.request_finished(ex.status or 500, (time.perf_counter() - t0) * 1000.0)
+        elif kind == "lifespan":
+            await self._lifespan(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _http(self, scope: Scope, ex: _Exchange) -> None:
+        deadline: float | None = None
+        permit = None
+        if self.cpu is not None:
+            cpu = self.cpu
+            gate = self.gate
+            now = cpu.clock()
+            permit = scope.pop(PERMIT_KEY, None)
+            conn = scope.pop(CONN_KEY, None)
+            if permit is None:  # not decided at the protocol (frames, h11)
+                d = gate.try_admit(now, deadline=request_deadline(scope["headers"], now, self.default_timeout_s),
+                                   runnable=runnable_tasks)
+                if isinstance(d, Reject):
+                    self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
+                    # no Connection: close: on a frame connection it would end every request
+                    # multiplexed on it; uvicorn's h11 keeps the connection usable after a 503
+                    await ex.answer(d.status, f"request not admitted: {d.reason}", retry_after=d.retry_after)
+                    return
+                permit = d.permit
+                cpu.admitted()
+            elif conn is not None and now - permit.enqueued_at > self.gone_after and cpu.client_gone(conn):
+                gate.client_gone(now, permit)  # waited so long its client left: do not run it
+                cpu.finished()
+                return
+            cpu.started(permit, now)
+            deadline = permit.deadline
+        elif self._async_gate is not None:
+            gate = self._async_gate
+            now = gate.clock()
+            deadline = request_deadline(scope["headers"], now, self.default_timeout_s)
+            try:
+                permit = await gate.acquire(deadline)
+            except Rejected as r:
+                self.rejected[r.status] = self.rejected.get(r.status, 0) + 1
+                ex.started = True
+                ex.status = r.status
+                body = error_body(r.status, f"request not admitted: {r.reason}")
+                await ex.raw_send({"type": "http.response.start", "status": r.status,
+                                   "headers": [*error_headers(r.status, body)[:2], *r.headers()]})
+                await ex.raw_send({"type": "http.response.body", "body": body})
+                return
+        if permit is None:
+            await self._limited(scope, ex)
+            return
+        ex.permit = permit
+        outcome = "ok"
+        try:
+            if deadline is None:
+                receive = self._body_receive(scope, ex)
+                if receive is None:
+                    await self._answer_413(ex)
+                else:
+                    try:
+                        await self.app(scope, receive, ex.send)
+                    except Exception as e:
+                        if not ex.refused:
+                            raise
+                        logger.debug("app raised after the edge answered %d: %s", ex.refused,
+                                     describe_exception(e))
+            else:
+                clock = self.cpu.clock if self.cpu is not None else self.gate.clock
+                timer = asyncio.timeout(max(0.0, deadline - clock()))
+                try:
+                    async with timer:
+                        await self._limited(scope, ex)
+                except TimeoutError:
+                    if not timer.expired():
+                        raise
+                    outcome = "dropped"
+                    if not ex.started:
+                        await ex.answer(504, "deadline passed while the request ran")
+                        return
+                    raise
+            status = ex.status
+            if status >= 500:
+                outcome = "dropped" if status == 504 else "ignored"
+            elif status == 400:
+                outcome = "bad_request"
+        except asyncio.CancelledError:
+            outcome = "dropped"
+            raise
+        except Exception:
+            if outcome == "ok":
+                outcome = "ignored"
+            raise
+        finally:
+            if ex.permit is not None:
+                ex.permit = None
+                self.release(permit, outcome)
+
+    def _body_receive(self, scope: Scope, ex: _Exchange) -> Receive | None:
+        """The ``receive`` the app gets (limited when there are limits); None: refused with 413."""
+        limit = self.max_body_bytes
+        if limit <= 0 and self.read_timeout <= 0:
+            return ex.raw_receive
+        declared = -1
+        expects_continue = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+            elif name == b"expect":
+                expects_continue = value.lower() == b"100-continue"
+        if limit > 0 and declared > limit:
+            ex.refused = 413
+            self.count_refusal(413)
+            ex.started = True
+            ex.status = 413
+            # a client waiting for 100 Continue sends nothing: no need to linger
+            ex.read_deadline = -1.0 if expects_continue or declared > LINGER_BYTES else None
+            return None
+        if self.read_timeout > 0:
+            ex.read_deadline = asyncio.get_running_loop().time() + self.read_timeout
+        return ex.receive   # costs nothing until the app reads (a GET handler never does)
+
+    async def _limited(self, scope: Scope, ex: _Exchange) -> None:
+        """The body limits, then the app."""
+        receive = self._body_receive(scope, ex)
+        if receive is None:
+            await self._answer_413(ex)
+            return
+        try:
+            await self.app(scope, receive, ex.send)
+        except Exception as e:
+            if not ex.refused:
+                raise
+            logger.debug("app raised after the edge answered %d: %s", ex.refused, describe_exception(e))
+
+    async def _answer_413(self, ex: _Exchange) -> None:
+        await answer(ex.raw_send, 413, _too_large(self.max_body_bytes),
+                     None if ex.read_deadline == -1.0 else ex.raw_receive)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = self.lifespan
+
+        async def recording_send(message: Message) -> None:
+            if message.get("type") == "lifespan.startup.failed":
+                record.startup_failed_message = str(message.get("message") or "") or "no message"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        except BaseException as e:
+            record.exception = describe_exception(e)
+            raise
+
+    # --- stats ----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The admission part of Stats ``extra`` (``{}`` without admission)."""
+        if self.cpu is not None:
+            out = self.cpu.snapshot()
+        elif self._async_gate is not None:
+            gate = self._async_gate
+            snap = gate.machine.snapshot(gate.clock(), reset_max=True)
+            out = {f: getattr(snap, f) for f in snap.__struct_fields__}
+            out["rejected_by_status"] = {}
+        else:
+            return {}
+        for k, v in self.rejected.items():
+            out["rejected_by_status"][str(k)] = out["rejected_by_status"].get(str(k), 0) + v
+        return out
+
+
+def _too_large(limit: int) -> str:
+    return f"request body too large: over server.max_body_bytes ({limit} bytes)"
+
+
+async def answer(send: Send, status: int, message: str, linger: Receive | None) -> None:
+    """The JSON error from the edge, closing the connection.
+
+    With ``linger`` the complete body goes out first (``more_body`` still
+    set, so the connection stays open), then the rest of the request body is
+    read and dropped within LINGER_S / LINGER_BYTES, then the empty final
+    chunk makes the server close.
+    """
+    body = error_body(status, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*error_headers(status, body), _CLOSE]})
+    if linger is None:
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    await _discard_body(linger)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _discard_body(receive: Receive) -> None:
+    dropped = 0
+    try:
+        async with asyncio.timeout(LINGER_S):
+            while dropped <= LINGER_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                dropped += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
+
+
+# --- the assembly ------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """What ``build_stack`` made: the ASGI entry point, the edge, the admission runtime, the config."""
+
+    app: ASGIApp
+    edge: Edge
+    runtime: Any          # AdmissionRuntime (limiter "cpu") or None
+    gate: Any             # AdmissionGate (limiters "gradient"/"static") or None
+    config: Any           # uvicorn.Config
+
+
+def build_stack(spec: Any, app: ASGIApp, stats: WorkerStats, lifespan: LifespanRecord | None = None,
+                cache: Any = None) -> Stack:
+    """The worker's ASGI chain (Edge -> cache -> app) and protocol chain, from its spec."""
+    from numaserve.worker.serve import build_config
+
+    if cache is not None:
+        from numaserve.worker.cache import CacheMiddleware
+
+        app = CacheMiddleware(app, cache)
+    runtime = gate = None
+    adm = spec.admission
+    if adm.enabled and adm.limiter == "cpu":
+        from numaserve.worker.shedding import AdmissionRuntime
+
+        runtime = AdmissionRuntime(adm)
+    elif adm.enabled:
+        from numaserve.worker.admission_mw import make_gate
+
+        gate = make_gate(adm, spec.gradient if adm.limiter == "gradient" else None)
+    edge = Edge(app, stats=stats, lifespan=lifespan, cpu=runtime, gate=gate,
+                default_timeout_s=adm.request_timeout_s, max_body_bytes=spec.max_body_bytes,
+                read_timeout=spec.read_timeout)
+    config = build_config(spec, edge, stats=stats, admission=runtime)
+    return Stack(app=edge, edge=edge, runtime=runtime, gate=gate, config=config)
+
+
+def assemble_for_bench(spec: Any, app: ASGIApp) -> tuple[type, Any, Any]:
+    """(protocol class, loaded uvicorn config, server state) of a worker's stack, for
+    ``scripts/bench_hotpath.py`` (no sockets, no supervisor)."""
+    from uvicorn.server import ServerState
+
+    stack = build_stack(spec, app, WorkerStats())
+    config = stack.config
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"date", b"Tue, 01 Dec 2026 12:00:00 GMT")]
+    return config.http_protocol_class, config, state

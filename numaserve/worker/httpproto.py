@@ -1,0 +1,542 @@
+"""The worker's HTTP/1.1 protocol: uvicorn's httptools protocol, guarded and lean, in one class.
+
+Version-sensitive glue (checked against uvicorn 0.54, httptools 0.6-0.9).
+``HttpToolsProtocol`` is kept for everything per connection (flow control,
+pipelining, websocket upgrade, shutdown, ``server_state`` bookkeeping); the
+per-request callbacks are replaced by one class instead of a stack of
+subclasses, each calling ``super()``:
+
+* **limits** — uvicorn enforces no header size limit and no timeout until
+  the headers are complete (a 2 MB header line is accepted; a connection
+  that never sends a byte stays open forever): 431 past
+  ``max_header_bytes`` (counted from raw bytes while the head is
+  incomplete, which catches one endless header line, and exactly at
+  head-complete when one read was big enough to hold an oversized head),
+  408 (or a silent close if nothing arrived) past ``read_timeout``;
+* **admission** — with the "cpu" limiter (``numaserve.worker.shedding``)
+  the request is decided when its head is complete, before any task
+  exists: a refused request costs no task, no ASGI call and is answered
+  (503 + Retry-After + ``Connection: close``) in the same loop iteration
+  its bytes were read.  When the loop was late, ``TCP_INFO`` back-dates
+  the arrival and a ``CLOSE_WAIT`` client is not run at all;
+* **errors** — uvicorn's own 400 and the ``max_connections`` 503 get the
+  JSON body of ``numaserve.errors_http``;
+* **cost** — ``LeanCycle`` writes a response whose length is declared in
+  ONE ``write`` (head and body; uvicorn makes two syscalls), validates
+  header bytes once per distinct header (a bounded cache) instead of two
+  regex scans per header per response, creates the request's
+  ``asyncio.Event`` only when the app waits for the body, and the
+  keep-alive timeout is one timer per connection re-armed lazily instead
+  of a ``call_later`` per response and a cancel per read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, service_unavailable
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
+
+from numaserve.errors_http import error_body, error_headers
+
+__all__ = ["LeanCycle", "guarded_httptools_protocol"]
+
+#: (name, value) header pairs already checked for forbidden bytes; cleared when full.
+_VALID: set[tuple[bytes, bytes]] = set()
+_VALID_MAX = 4096
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CHUNK_END = b"0\r\n\r\n"
+
+
+class _HeaderTooLarge(Exception):
+    pass
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing: the request was answered or dropped."""
+
+
+def _check_header(name: bytes, value: bytes) -> None:
+    try:
+        if (name, value) in _VALID:
+            return
+    except TypeError:  # bytearray & co: not hashable, check every time
+        pass
+    if HEADER_RE.search(name):
+        raise RuntimeError("Invalid HTTP header name.")
+    if HEADER_VALUE_RE.search(value):
+        raise RuntimeError("Invalid HTTP header value.")
+    if len(_VALID) >= _VALID_MAX:
+        _VALID.clear()
+    try:
+        _VALID.add((name, value))
+    except TypeError:
+        pass
+
+
+class LeanCycle(RequestResponseCycle):
+    """uvicorn's ``RequestResponseCycle`` (same ASGI semantics), cheaper per request.
+
+    ``run_asgi`` and ``send_500_response`` are uvicorn's.
+    """
+
+    def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool) -> None:
+        self.scope = scope
+        self.transport = proto.transport
+        self.flow = proto.flow
+        self.logger = proto.logger
+        self.access_logger = proto.access_logger
+        self.access_log = proto.access_log
+        self.default_headers = proto.server_state.default_headers
+        self.on_response = proto.on_response_complete
+        self._event: asyncio.Event | None = None
+        self._flag = False
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        self.body = bytearray()
+        self.more_body = True
+        self.response_started = False
+        self.response_complete = False
+        self.chunked_encoding: bool | None = None
+        self.expected_content_length = 0
+        self._head: bytes | None = None   # a declared-length head waiting for its first body bytes
+
+    @property
+    def message_event(self) -> asyncio.Event:  # type: ignore[override]
+        """uvicorn's per-request event, made on first use."""
+        ev = self._event
+        if ev is None:
+            ev = self._event = asyncio.Event()
+            if self._flag:
+                ev.set()
+        return ev
+
+    def notify(self) -> None:
+        """Body bytes, the end of the body, the end of the response or a disconnect."""
+        self._flag = True
+        ev = self._event
+        if ev is not None:
+            ev.set()
+
+    async def receive(self) -> Any:
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(_CONTINUE)
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            self.flow.resume_reading()
+            if not self._flag:
+                await self.message_event.wait()
+            self._flag = False
+            if self._event is not None:
+                self._event.clear()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        message = {"type": "http.request", "body": bytes(self.body), "more_body": self.more_body}
+        self.body = bytearray()
+        return message
+
+    async def send(self, message: Any) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if not self.response_started:
+            if message["type"] != "http.response.start":
+                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{message['type']}'.")
+            self.response_started = True
+            self.waiting_for_100_continue = False
+            status_code = message["status"]
+            if self.access_log:
+                self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
+                                        self.scope["method"], get_path_with_query_string(self.scope),
+                                        self.scope["http_version"], status_code)
+            content = [STATUS_LINE[status_code]]
+            for name, value in self.default_headers:   # the server's own (date): trusted
+                content.extend((name, b": ", value, b"\r\n"))
+            has_close = False
+            for name, value in message.get("headers", ()):
+                _check_header(name, value)
+                name = name.lower()
+                if name == b"content-length" and self.chunked_encoding is None:
+                    self.expected_content_length = int(value.decode())
+                    self.chunked_encoding = False
+                elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                    self.expected_content_length = 0
+                    self.chunked_encoding = True
+                elif name == b"connection":
+                    if b"close" in [token.lower().strip() for token in value.split(b",")]:
+                        self.keep_alive = False
+                        has_close = True
+                content.extend((name, b": ", value, b"\r\n"))
+            if not self.keep_alive and not has_close:
+                content.append(b"connection: close\r\n")
+            head_request = self.scope["method"] == "HEAD"
+            if self.chunked_encoding is None and not head_request and status_code not in (204, 304):
+                self.chunked_encoding = True
+                content.append(b"transfer-encoding: chunked\r\n")
+            content.append(b"\r\n")
+            head = b"".join(content)
+            if self.chunked_encoding is False and self.expected_content_length > 0 and not head_request:
+                self._head = head   # goes out with the first body bytes: one write per response
+            else:
+                self.transport.write(head)   # streams: the head at once (an SSE client waits for it)
+        elif not self.response_complete:
+            if message["type"] != "http.response.body":
+                raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{message['type']}'.")
+            body = message.get("body", b"")
+            more_body = message.get("more_body", False)
+            if self.scope["method"] == "HEAD":
+                self.expected_content_length = 0
+            elif self.chunked_encoding:
+                if body:
+                    if more_body:
+                        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+                    else:
+                        self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+                elif not more_body:
+                    self.transport.write(_CHUNK_END)
+            else:
+                num_bytes = len(body)
+                if num_bytes > self.expected_content_length:
+                    raise RuntimeError("Response content longer than Content-Length")
+                self.expected_content_length -= num_bytes
+                head = self._head
+                if head is not None:
+                    if num_bytes:
+                        self._head = None
+                        self.transport.write(head + body)
+                elif num_bytes:
+                    self.transport.write(body)
+            if not more_body:
+                if self.expected_content_length != 0:
+                    raise RuntimeError("Response content shorter than Content-Length")
+                self.response_complete = True
+                self.notify()
+                if not self.keep_alive:
+                    self.transport.close()
+                self.on_response()
+        else:
+            raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent, after response already completed.")
+
+
+async def connection_limit_503(scope: Any, receive: Any, send: Any) -> None:
+    """The answer past ``server.max_connections``: uvicorn's 503, in the error shape."""
+    body = error_body(503, "server.max_connections reached: try again")
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [*error_headers(503, body), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
+                               admission: Any = None) -> type[asyncio.Protocol]:
+    """The worker's httptools protocol class (see the module docstring).
+
+    ``admission``: an ``AdmissionRuntime`` deciding admission at head-complete, or None.
+    """
+    rt = admission
+    gate = rt.gate if rt is not None else None
+    clock = rt.clock if rt is not None else None
+    default_timeout = rt.s.request_timeout_s if rt is not None else 0.0
+    if rt is not None:
+        from numaserve.worker import shedding
+        from numaserve.worker.shedding import (
+            CONN_KEY,
+            PERMIT_KEY,
+            TCP_ESTABLISHED,
+            reject_response,
+            request_deadline,
+            tcp_wait_and_state,
+        )
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        """HttpToolsProtocol + 431/408 limits + admission at head-complete + ``LeanCycle``."""
+
+        _max_header_bytes = max_header_bytes
+        _header_timeout = header_timeout
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._in_headers = True
+            self._exact_head = False    # this read may hold a head over the limit: count it exactly
+            self._raw_header_bytes = 0  # received while headers incomplete
+            self._too_large = False
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._idle_since: float | None = None
+            self._ka_timer: asyncio.TimerHandle | None = None
+            self._ns_reject: Any = None
+            self._ns_drop = False
+
+        # --- connection ----------------------------------------------------------------------
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            if self._ka_timer is not None:
+                self._ka_timer.cancel()
+                self._ka_timer = None
+            self.connections.discard(self)
+            cycle = self.cycle
+            if cycle is not None:
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                cycle.notify()
+            if self.flow is not None:
+                self.flow.resume_writing()
+            if exc is None:
+                self.transport.close()
+            self.parser = None  # type: ignore[assignment]
+
+        def data_received(self, data: bytes) -> None:
+            if self._ns_drop:
+                return  # answered and closing: the rest of the request is not ours to parse
+            self._idle_since = None
+            if self._max_header_bytes:
+                self._exact_head = self._raw_header_bytes + len(data) > self._max_header_bytes
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                if self._ns_reject is not None or self._ns_drop:
+                    self._refused()
+                elif self._too_large:  # our callback stopped the parser: say why
+                    self._reject(431, self._too_large_message())
+                else:
+                    msg = "Invalid HTTP request received."
+                    self.logger.warning(msg)
+                    self._reject(400, msg, log=False)
+                return
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            if not self._in_headers or self.transport.is_closing():
+                return
+            self._raw_header_bytes += len(data)
+            if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
+                self._reject(431, self._too_large_message())
+                return
+            if self._header_timer is None:
+                self._arm_header_timer()
+
+        def send_400_response(self, msg: str) -> None:
+            self._reject(400, msg, log=False)
+
+        # --- parser callbacks ------------------------------------------------------------------
+
+        def on_message_begin(self) -> None:
+            self.url = b""
+            self.expect_100_continue = False
+            self.headers = []
+            self.scope = {  # type: ignore[typeddict-item]
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,  # type: ignore[typeddict-item]
+                "root_path": self.root_path,
+                "headers": self.headers,
+                "state": self.app_state.copy(),
+            }
+            self._in_headers = True
+            self._raw_header_bytes = 0
+
+        # on_url / on_header are uvicorn's own: the head is only counted exactly (below) when a
+        # read could hold more than max_header_bytes of it; smaller reads cannot exceed the limit
+        # and a head spread over reads is bounded by the raw count in data_received
+
+        def _check_head_size(self) -> None:
+            n = len(self.url)
+            for name, value in self.headers:
+                n += len(name) + len(value) + 4
+            if n > self._max_header_bytes:
+                self._too_large = True
+                raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError
+
+        def on_headers_complete(self) -> None:
+            if self._exact_head:
+                self._check_head_size()
+            parser = self.parser
+            upgrade = parser.should_upgrade()
+            if rt is not None and not upgrade:   # websockets are not gated here
+                self._admit()
+            self._in_headers = False
+            if self._header_timer is not None:
+                self._cancel_header_timer()
+            http_version = parser.get_http_version()
+            scope = self.scope
+            scope["method"] = parser.get_method().decode("ascii")
+            if http_version != "1.1":
+                scope["http_version"] = http_version
+            if upgrade and self._should_upgrade():
+                return
+            parsed_url = httptools.parse_url(self.url)
+            raw_path = parsed_url.path
+            path = raw_path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            root_path = self.root_path
+            scope["path"] = root_path + path if root_path else path
+            scope["raw_path"] = root_path.encode("ascii") + raw_path if root_path else raw_path
+            scope["query_string"] = parsed_url.query or b""
+            limit = self.limit_concurrency
+            if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+                app: Any = connection_limit_503
+                self.logger.warning("Exceeded concurrency limit.")
+            else:
+                app = self.app
+            existing = self.cycle
+            self.cycle = LeanCycle(self, scope, http_version != "1.0" and parser.should_keep_alive(),
+                                   self.expect_100_continue)
+            if existing is None or existing.response_complete:
+                self._start_asgi_task(self.cycle, app)
+            else:  # pipelined: queued behind the running one
+                self.flow.pause_reading()
+                self.pipeline.appendleft((self.cycle, app))
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if app is service_unavailable:
+                app = connection_limit_503
+            super()._start_asgi_task(cycle, app)
+
+        def on_body(self, body: bytes) -> None:
+            if self.parser.should_upgrade() and self._should_upgrade():
+                return
+            cycle = self.cycle
+            if cycle.response_complete:
+                return
+            cycle.body += body
+            if len(cycle.body) > HIGH_WATER_LIMIT:
+                self.flow.pause_reading()
+            cycle.notify()
+
+        def on_message_complete(self) -> None:
+            if self.parser.should_upgrade() and self._should_upgrade():
+                return
+            cycle = self.cycle
+            if cycle.response_complete:
+                return
+            cycle.more_body = False
+            cycle.notify()
+
+        def on_response_complete(self) -> None:
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+                return
+            self._idle_since = self.loop.time()
+            if self._ka_timer is None:
+                self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
+
+        def _keepalive_check(self) -> None:
+            """Close a connection idle for ``timeout_keep_alive``; re-armed for the rest otherwise."""
+            self._ka_timer = None
+            since = self._idle_since
+            if since is None or self.transport.is_closing():
+                return  # a request is in progress: its completion re-arms
+            left = since + self.timeout_keep_alive - self.loop.time()
+            if left <= 0:
+                self.transport.close()
+            else:
+                self._ka_timer = self.loop.call_later(left, self._keepalive_check)
+
+        # --- admission ------------------------------------------------------------------------
+
+        def _admit(self) -> None:
+            now = clock()  # type: ignore[misc]
+            arrived = now
+            if rt.loop_late(now):
+                got = tcp_wait_and_state(self.transport.get_extra_info("socket"))
+                if got is not None:
+                    if got[1] != TCP_ESTABLISHED:   # the client already gave up: do not run it
+                        gate.client_gone(now)
+                        self._ns_drop = True
+                        raise _Stop
+                    arrived = now - got[0]
+            d = gate.try_admit(now, deadline=request_deadline(self.headers, arrived, default_timeout),
+                               runnable=shedding.runnable_tasks)   # (looked up here: tests replace it)
+            permit = getattr(d, "permit", None)
+            if permit is None:
+                self._ns_reject = d
+                raise _Stop
+            permit.enqueued_at = arrived
+            self.scope[PERMIT_KEY] = permit  # type: ignore[literal-required]
+            self.scope[CONN_KEY] = self  # type: ignore[literal-required]
+            rt.admitted()
+
+        def _refused(self) -> None:
+            rej, self._ns_reject = self._ns_reject, None
+            self._ns_drop = True
+            self._cancel_header_timer()
+            if rej is not None:
+                rt.edge_rejected[rej.status] = rt.edge_rejected.get(rej.status, 0) + 1
+                self.transport.write(reject_response(rej))
+            self.transport.close()
+
+        # --- limits ---------------------------------------------------------------------------
+
+        def _too_large_message(self) -> str:
+            return f"request header fields too large: over server.max_header_bytes ({self._max_header_bytes} bytes)"
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timeout and self._header_timeout > 0:
+                self._cancel_header_timer()
+                self._header_timer = self.loop.call_later(self._header_timeout, self._on_header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _busy(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _on_header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            if self._busy():  # a pipelined request is still being answered: wait for it
+                self._arm_header_timer()
+                return
+            if self._in_headers and self._raw_header_bytes > 0:
+                self._reject(408, "request header not received within server.read_timeout "
+                                  f"({self._header_timeout:g} s)")
+            elif self.cycle is None:
+                self.transport.close()  # connected, never sent a byte
+
+        def _reject(self, status: int, msg: str, log: bool = True) -> None:
+            self._cancel_header_timer()
+            if self._busy():
+                self.transport.close()  # cannot interleave a status into a running response
+                return
+            body = error_body(status, msg)
+            content = [STATUS_LINE[status]]
+            for name, value in [*self.server_state.default_headers, *error_headers(status, body),
+                                (b"connection", b"close")]:
+                content.extend([name, b": ", value, b"\r\n"])
+            content.extend([b"\r\n", body])
+            if log:
+                self.logger.warning("%s: %d", msg, status)
+            self.transport.write(b"".join(content))
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Per-layer CPU cost of the worker's request path, in process, without sockets.
+
+    scripts/bench_hotpath.py                  # table of µs of CPU per request, per layer stack
+    scripts/bench_hotpath.py --requests 50000 --json out.json
+
+Each stack is a real protocol class (uvicorn's httptools protocol, or the one
+numaserve's worker assembles) fed keep-alive requests through a fake
+transport on a uvloop loop: every request is parsed, run through the ASGI
+chain to the bench app (``scripts/bench_apps/benchapp.py``, the same app
+``scripts/bench`` serves) and its response is written to the transport.  What
+is measured is process CPU time per request, so kernel, load generator and
+the other processes on a shared machine are left out: the numbers are the
+Python/C work of each layer, and differences between stacks are what each
+layer costs.  ``sse`` stacks stream ``--chunks`` chunks per request and
+report CPU per chunk.
+
+The layers are added one at a time, the way the worker stacked them before
+the edge assembly (``numaserve.worker.edge``), and then the assembly itself:
+that is the "hot path" table in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(1, str(HERE / "bench_apps"))
+
+REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n"
+SSE_REQUEST = b"GET /sse HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n"
+
+
+class FakeTransport(asyncio.Transport):
+    """Just enough of a transport: records writes, routes reads to the current protocol."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.protocol: Any = None
+        self.closed = False
+        self.writes = 0
+        self.done: asyncio.Future[None] | None = None
+        self.want = b"0\r\n\r\n"
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "socket":
+            return self.sock
+        if name == "sockname":
+            return ("127.0.0.1", 8000)
+        if name == "peername":
+            return ("127.0.0.1", 50000)
+        return default
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> Any:
+        return self.protocol
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def write(self, data: Any) -> None:
+        self.writes += 1
+        if self.done is not None and not self.done.done() and bytes(data).endswith(self.want):
+            self.done.set_result(None)
+
+    def writelines(self, chunks: Any) -> None:
+        for c in chunks:
+            self.write(c)
+
+    def feed(self, data: bytes) -> None:
+        p = self.protocol
+        if isinstance(p, asyncio.BufferedProtocol):
+            buf = p.get_buffer(len(data))
+            buf[: len(data)] = data
+            p.buffer_updated(len(data))
+        else:
+            p.data_received(data)
+
+
+async def sse_app_wrap(inner: Any, chunks: int) -> Any:
+    """The bench app plus ``/sse``: ``chunks`` small events, chunked encoding."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/sse":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            for i in range(chunks):
+                await send({"type": "http.response.body", "body": b"data: tok %d\n\n" % i, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await inner(scope, receive, send)
+
+    return app
+
+
+def run_stack(make: Callable[[], tuple[type, Any, Any]], requests: int, request: bytes,
+              done_marker: bytes) -> float:
+    """CPU seconds for ``requests`` requests on one keep-alive connection through ``make()``'s stack."""
+    import uvloop
+
+    async def main() -> float:
+        proto_cls, config, state = make()
+        lst = socket.create_server(("127.0.0.1", 0))
+        peer = socket.create_connection(lst.getsockname())
+        sock, _ = lst.accept()   # a connected TCP socket: what TCP_INFO/SO_INCOMING_CPU read
+        lst.close()
+        t = FakeTransport(sock)
+        loop = asyncio.get_running_loop()
+        proto = proto_cls(config=config, server_state=state, app_state={})
+        t.protocol = proto
+        proto.connection_made(t)
+        t.want = done_marker
+        for i in range(requests // 10 + 50):  # warm-up
+            t.done = loop.create_future()
+            t.feed(request)
+            await t.done
+        c0 = time.process_time()
+        for i in range(requests):
+            t.done = loop.create_future()
+            t.feed(request)
+            await t.done
+        dt = time.process_time() - c0
+        sock.close()
+        peer.close()
+        return dt
+
+    return uvloop.run(main())
+
+
+def _uvicorn(app: Any, *, proxy: bool, http: Any = "httptools") -> tuple[type, Any, Any]:
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    config = uvicorn.Config(app, http=http, proxy_headers=proxy, log_config=None, lifespan="off",
+                            server_header=False, date_header=True, access_log=False)
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"date", b"Tue, 01 Dec 2026 12:00:00 GMT")]
+    return config.http_protocol_class, config, state
+
+
+def stacks(sse_chunks: int) -> dict[str, Callable[[], tuple[type, Any, Any]]]:
+    """name -> factory of (protocol class, uvicorn config, server state)."""
+    from benchapp import app as bench_app
+
+    from numaserve.worker.spec import WorkerSpec
+
+    sse = asyncio.run(sse_app_wrap(bench_app, sse_chunks))
+    out: dict[str, Callable[[], tuple[type, Any, Any]]] = {
+        "uvicorn (proxy headers on, its default)": lambda: _uvicorn(sse, proxy=True),
+        "uvicorn, proxy headers off": lambda: _uvicorn(sse, proxy=False),
+    }
+    try:
+        from numaserve.worker.edge import assemble_for_bench
+    except ImportError:
+        assemble_for_bench = None
+    if assemble_for_bench is not None:
+        spec = WorkerSpec(slot=0, node=0, generation=1, cpus=[0], node_cpus=[0, 1], mempolicy="local",
+                          memory_nodes=[0], fd=-1, control="inproc://x")
+        out["numaserve worker (edge assembly, defaults)"] = lambda: assemble_for_bench(spec, sse)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/bench_hotpath.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--chunks", type=int, default=50, help="SSE chunks per streamed request")
+    ap.add_argument("--reps", type=int, default=3, help="best of N (CPU time is noisy on a shared machine)")
+    ap.add_argument("--only", default="", help="substring filter on stack names")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rows = []
+    for name, make in stacks(a.chunks).items():
+        if a.only and a.only not in name:
+            continue
+        tiny = min(run_stack(make, a.requests, REQUEST, b'}') for _ in range(a.reps))
+        n_sse = max(1, a.requests // a.chunks)
+        sse = min(run_stack(make, n_sse, SSE_REQUEST, b"0\r\n\r\n") for _ in range(a.reps))
+        row = {"stack": name, "tiny_us_per_req": round(tiny / a.requests * 1e6, 2),
+               "sse_us_per_chunk": round(sse / (n_sse * a.chunks) * 1e6, 2)}
+        rows.append(row)
+        print(f"{row['tiny_us_per_req']:8.2f} µs/req {row['sse_us_per_chunk']:7.2f} µs/chunk  {name}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"requests": a.requests, "chunks": a.chunks, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
