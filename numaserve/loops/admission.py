@@ -35,7 +35,7 @@ from typing import Any, Callable, Literal, Union
 import msgspec
 
 from numaserve.loops.checks import at_least, fraction, ordered, positive
-from numaserve.loops.gradient import GradientController, L1Outcome
+from numaserve.loops.gradient import GradientController, GradientSettings, L1Outcome
 from numaserve.loops.trend import quantile
 
 __all__ = [
@@ -760,3 +760,10 @@ class _Admission:
                 outcome = "ignored"
         self.gate.release(permit, outcome)
 
+
+def make_gate(settings: AdmissionSettings, gradient: "GradientSettings | None",
+              clock: Callable[[], float] = time.monotonic) -> "AdmissionGate":
+    """The asyncio gate of limiters "gradient"/"static" (with its controller when gradient)."""
+    now = clock()
+    controller = GradientController(gradient, now) if gradient is not None else None
+    return AdmissionGate(AdmissionMachine(settings, now, controller), clock)

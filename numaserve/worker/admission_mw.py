@@ -31,21 +31,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from numaserve.loops.admission import AdmissionGate, AdmissionMachine, AdmissionSettings
-from numaserve.loops.gradient import GradientController, GradientSettings
+from numaserve.loops.admission import AdmissionGate, make_gate
 from numaserve.worker.edge import Edge
 from numaserve.worker.shedding import AdmissionRuntime
 
 __all__ = ["TICK_S", "AdmissionMiddleware", "CpuAdmissionMiddleware", "make_gate", "tick_forever"]
 
 TICK_S = 0.05
-
-
-def make_gate(settings: AdmissionSettings, gradient: GradientSettings | None,
-              clock: Callable[[], float] = time.monotonic) -> AdmissionGate:
-    now = clock()
-    controller = GradientController(gradient, now) if gradient is not None else None
-    return AdmissionGate(AdmissionMachine(settings, now, controller), clock)
 
 
 class CpuAdmissionMiddleware(Edge):

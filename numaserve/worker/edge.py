@@ -490,7 +490,7 @@ def build_stack(spec: Any, app: ASGIApp, stats: WorkerStats, lifespan: LifespanR
 
         runtime = AdmissionRuntime(adm)
     elif adm.enabled:
-        from numaserve.worker.admission_mw import make_gate
+        from numaserve.loops.admission import make_gate
 
         gate = make_gate(adm, spec.gradient if adm.limiter == "gradient" else None)
     edge = Edge(app, stats=stats, lifespan=lifespan, cpu=runtime, gate=gate,
