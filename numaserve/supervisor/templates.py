@@ -223,7 +223,9 @@ class TemplateManager:
         )
         launch_env = dict(env)
         launch_env[TEMPLATE_SPEC_ENV] = spec.to_env()
-        argv = build_launch_argv([sys.executable, "-m", "numaserve.worker.template"], cpus=cpus or None,
+        # the words after the module are for ps(1) only (forked workers show them too)
+        shown = [f"node={nt.node}", f"app={cfg.server.app or 'numaserve.apps.demo:app'}"]
+        argv = build_launch_argv([sys.executable, "-m", "numaserve.worker.template", *shown], cpus=cpus or None,
                                  mempolicy=first.mempolicy, nodes=first.memory_nodes, ppid=os.getpid())
         try:
             popen = subprocess.Popen(argv, pass_fds=[child.fileno()], env=launch_env, stdin=subprocess.DEVNULL,

@@ -226,12 +226,15 @@ def current_threads() -> list[str]:
 def _preimport(names: Iterable[str]) -> None:
     """Import what every worker imports, so a forked worker only starts serving."""
     import importlib
+    import warnings
 
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - optional accelerators (uvloop, httptools) may be missing
-            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # e.g. uvicorn's legacy websockets module
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - optional accelerators (uvloop, httptools) may be missing
+                pass
 
 
 WORKER_MODULES = (
