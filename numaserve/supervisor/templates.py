@@ -294,6 +294,7 @@ class TemplateManager:
                     t.reason = "the template has threads, forking it is unsafe: " + "; ".join(t.threads)
                     log.error("fork_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
                               fallback="exec", reason=t.reason)
+                    self._stop_refused(t)
                 else:
                     t.state = READY
                 t.ready_evt.set()
@@ -394,6 +395,7 @@ class TemplateManager:
             t.reason = str(msg.get("reason"))[:500]
             log.error("fork_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
                       fallback="exec", reason=t.reason)
+            self._stop_refused(t)
             return None, t.reason
         return None, f"node {plan.node} template: {msg.get('reason') or kind}"
 
@@ -409,6 +411,9 @@ class TemplateManager:
                 self._close_sock(t)
         for nt in self.nodes.values():
             t = nt.current
+            if t is not None and t.state == REFUSED:
+                t.popen.poll()  # stopped on purpose (see _stop_refused): reaped, not respawned
+                continue
             if t is not None and t.popen.poll() is not None:
                 self._drain(t)
                 code = t.popen.returncode
@@ -477,7 +482,7 @@ class TemplateManager:
         if bad:
             for t in started:
                 self._retire(t, "reload failed")
-            return "; ".join(bad) + "; old templates and workers kept"
+            return "; ".join(bad) + "; old template kept, old worker kept serving on every slot"
         for node, t in new.items():
             nt = self.nodes[node]
             if nt.current is not None:
@@ -489,6 +494,17 @@ class TemplateManager:
                 op.step(f"node {node}: template generation {t.generation} ready", pid=t.pid,
                         import_s=t.import_s, preload_s=t.preload_s, fork=t.state == READY)
         return None
+
+    def _stop_refused(self, t: TemplateProc) -> None:
+        """A template that cannot fork only holds memory: stop it, keep its record (status says why).
+
+        It is not respawned (it would refuse again); a reload tries a new generation."""
+        self._close_sock(t)
+        if t.popen.poll() is None:
+            try:
+                t.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def _retire(self, t: TemplateProc, why: str) -> None:
         """Close its channel (it exits on end-of-file) and make sure it goes."""
@@ -562,6 +578,7 @@ class TemplateManager:
                 "threads": list(t.threads) if t else [],
                 "reason": t.reason if t else None,
                 "memory": read_smaps_rollup(t.pid) if t and t.popen.poll() is None else None,
+                "running": bool(t and t.popen.poll() is None),
                 "restarts": nt.restarts,
                 "last_exit": nt.last_exit,
                 "restart_in_s": round(max(0.0, nt.next_start - now), 3) if nt.next_start else None,

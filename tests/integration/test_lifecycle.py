@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import (
+    EXEC_WORKERS,
     FAST_CONFIG,
     REPO,
     Running,
@@ -193,7 +194,10 @@ def test_a_worker_that_resumes_rejoins_steering() -> None:
 def test_a_slot_failing_at_boot_strands_no_connection_and_ready_comes_degraded() -> None:
     port = free_port()
     notify = Notify()
+    # bootfail fails at *import* in one slot: per-process imports are exec'd workers' behaviour
+    # (a warm template imports once per node), so this pins [worker] start = "exec"
     sup = Running([*TWO, "--app", "bootfail:app", "--bind", f"127.0.0.1:{port}"], expect_ready=False,
+                  config=FAST_CONFIG + EXEC_WORKERS,
                   env={"NOTIFY_SOCKET": notify.path, "BOOTFAIL_SLOT": "1", "BOOTFAIL_DELAY": "1.5"})
     try:
         socks: list[socket.socket] = []
@@ -243,6 +247,7 @@ def test_a_failed_slot_is_retried_and_comes_back_on_restart(tmp_path: Path) -> N
     marker = tmp_path / "broken"
     marker.write_text("x")
     cfg = FAST_CONFIG.replace("[supervisor]", "[supervisor]\ncrash_loop_limit = 2\nfailed_retry_interval = 2.0")
+    cfg += EXEC_WORKERS  # per-slot import failure: exec'd workers (see above)
     with Running([*TWO, "--app", "bootfail:app", "--bind", "127.0.0.1:0"], config=cfg, expect_ready=False,
                  env={"BOOTFAIL_SLOT": "1", "BOOTFAIL_DELAY": "0", "BOOTFAIL_FILE": str(marker)}) as sup:
         sup.wait_for(lambda st: st["slots"] and st["slots"][1]["state"] == "failed", 60, "slot 1 failed")

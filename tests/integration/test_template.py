@@ -166,7 +166,7 @@ def test_reload_with_broken_app_keeps_old_template_and_workers(tmp_path: Path) -
         r = sup.ops("reload", "--wait")
         assert r.returncode != 0, r.stdout
         out = r.stdout + r.stderr
-        assert "reloadapp: broken on purpose" in out and "old templates and workers kept" in out, out
+        assert "reloadapp: broken on purpose" in out and "old worker kept serving" in out, out
         st2 = sup.status()
         assert templates(st2)[0]["pid"] == t1["pid"] and templates(st2)[0]["state"] == "ready"
         assert [s["pid"] for s in st2["slots"]] == pids and all(s["state"] == "ready" for s in st2["slots"])
@@ -207,3 +207,25 @@ def test_failing_preload_is_a_boot_failure_with_its_reason(tmp_path: Path) -> No
         assert rc == 3 and "no room for the weights" in err, err[-3000:]
     finally:
         sup.close()
+
+
+def test_forked_worker_gets_its_slots_own_environment() -> None:
+    cfg = FAST_CONFIG + '\n[env]\nvars = { SHARD = "s{slot}-n{node}-c{ncpus}" }\n[env.slot."1"]\nONLY_ONE = "yes"\n'
+    names = "SHARD,ONLY_ONE,NUMASERVE_SLOT,NUMASERVE_CPUS,OMP_NUM_THREADS,NUMASERVE_TOKEN_FD,NUMASERVE_TEMPLATE_SPEC"
+    with Running([*BASE, "--workers-per-node", "2", "--app", "templateapp:app"], config=cfg,
+                 env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}) as sup:
+        st = sup.wait_for(all_forked, 30, "forked")
+        by_pid = {s["pid"]: s for s in st["slots"]}
+        seen: dict[int, dict[str, Any]] = {}
+        for _ in range(200):
+            d = get_json(sup.port, f"/env?names={names}")
+            seen[d["pid"]] = d["env"]
+            if len(seen) == 2:
+                break
+        assert set(seen) == set(by_pid)
+        for pid, e in seen.items():
+            s = by_pid[pid]
+            n = len(s["cpus"])
+            assert e["SHARD"] == f"s{s['slot']}-n0-c{n}" and e["NUMASERVE_SLOT"] == str(s["slot"])
+            assert (e["ONLY_ONE"] == "yes") == (s["slot"] == 1) and e["OMP_NUM_THREADS"] == str(n)
+            assert e["NUMASERVE_TOKEN_FD"] is None and e["NUMASERVE_TEMPLATE_SPEC"] is None

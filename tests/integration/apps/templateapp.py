@@ -48,3 +48,8 @@ async def sse(n: int = 5):
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(tokens(), media_type="text/event-stream")
+
+
+@app.get("/env")
+async def env(names: str = ""):
+    return {"pid": os.getpid(), "env": {n: os.environ.get(n) for n in names.split(",") if n}}
