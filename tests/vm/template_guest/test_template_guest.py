@@ -10,6 +10,7 @@ backed by node-1 pages (>= 95 %).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from numaserve.verify import check_placement, read_placement
 
 HERE = str(Path(__file__).resolve().parent)
+REPO = str(Path(__file__).resolve().parents[3])
 MB = 200
 
 
@@ -59,7 +61,8 @@ def test_node1_workers_forked_from_a_node1_template_share_its_200mb_on_n1(node_c
         [sys.executable, "-m", "numaserve", "start", "--config", str(cfg), "--runtime-dir", rt, "--nodes", "all",
          "--workers-per-node", "2", "--app", "warm_app:app", "--preload", "warm_app:load", "--app-dir", HERE,
          "--bind", "127.0.0.1:0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)})
     try:
         deadline = time.monotonic() + 400
         st = None
