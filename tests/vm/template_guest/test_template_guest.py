@@ -61,13 +61,13 @@ def test_node1_workers_forked_from_a_node1_template_share_its_200mb_on_n1(node_c
         [sys.executable, "-m", "numaserve", "start", "--config", str(cfg), "--runtime-dir", rt, "--nodes", "all",
          "--workers-per-node", "2", "--app", "warm_app:app", "--preload", "warm_app:load", "--app-dir", HERE,
          "--bind", "127.0.0.1:0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=open(Path(base) / "stderr", "w"), text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)})
     try:
         deadline = time.monotonic() + 400
         st = None
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert proc.poll() is None, (Path(base) / "stderr").read_text()[-4000:]
             st = _status(rt)
             if st and st["slots"] and all(s["state"] == "ready" and s["binding_verified"] for s in st["slots"]):
                 break
