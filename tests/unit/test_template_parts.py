@@ -176,3 +176,17 @@ def test_worker_config_keys_are_typed_and_validated(tmp_path: Path) -> None:
         _cfg(tmp_path, '[server]\ncmd = "srv --fd {fd}"\n[worker]\npreload = "m:f"\n')
     with pytest.raises(ConfigError, match="environment NUMASERVE_WORKER_START"):
         load_config(tmp_path / "c.toml", environ={"NUMASERVE_WORKER_START": "clone"})
+
+
+def test_template_metrics_from_status() -> None:
+    from numaserve.supervisor.metrics import NumaserveCollector
+
+    snap = {"supervisor": {}, "slots": [], "templates": {"nodes": [
+        {"node": 1, "state": "ready", "generation": 2, "restarts": 1,
+         "memory": {"pss_bytes": 10, "shared_bytes": 5, "private_bytes": 3}},
+        {"node": 0, "state": "refused", "generation": 1, "restarts": 0, "memory": None}]}}
+    got = {(f.name, s.labels.get("node")): s.value for f in NumaserveCollector(lambda: snap).collect()
+           for s in f.samples if "template" in f.name}
+    assert got[("numaserve_template_ready", "1")] == 1.0 and got[("numaserve_template_ready", "0")] == 0.0
+    assert got[("numaserve_template_generation", "1")] == 2.0 and got[("numaserve_template_pss_bytes", "1")] == 10.0
+    assert ("numaserve_template_pss_bytes", "0") not in got
