@@ -337,6 +337,8 @@ class TemplateManager:
             assert t is not None and token is not None
             proc, why = self._request_fork(t, plan, spec, env, listeners, token)
             if proc is not None:
+                if nt is not None:
+                    nt.fallback_logged = None  # a later fallback is news again
                 return proc
         assert nt is not None or why
         key = why or ""
