@@ -501,24 +501,25 @@ class TemplateManager:
         """A template that cannot fork only holds memory: stop it, keep its record (status says why).
 
         It is not respawned (it would refuse again); a reload tries a new generation."""
-        self._close_sock(t)
-        if t.popen.poll() is None:
-            try:
-                t.popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        self._terminate(t)
 
     def _retire(self, t: TemplateProc, why: str) -> None:
         """Close its channel (it exits on end-of-file) and make sure it goes."""
         t.retired = True
         t.reason = t.reason or why
-        self._close_sock(t)
-        if t.popen.poll() is None:
-            try:
-                t.popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        if self._terminate(t):
             self.retired.append(t)
+
+    def _terminate(self, t: TemplateProc) -> bool:
+        """Channel closed, SIGTERM sent; True when it was still running (reap it later)."""
+        self._close_sock(t)
+        if t.popen.poll() is not None:
+            return False
+        try:
+            t.popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        return True
 
     def _kill(self, t: TemplateProc) -> None:
         try:
