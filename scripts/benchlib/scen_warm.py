@@ -126,10 +126,12 @@ def memory_and_ready(kind: str, workers: int) -> dict[str, Any]:
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
-    kills = ctx.pick(3, 7)
+    kills = ctx.pick(5, 7)
     reps = ctx.pick(1, ctx.reps)
     duration = ctx.pick(7.0, 9.0)
-    sizes = ctx.pick((8,), (8, 32))
+    # BENCH_WARM_SIZES=8,32 overrides the worker counts of the memory/start-up runs
+    sizes = tuple(int(x) for x in os.environ.get("BENCH_WARM_SIZES", "").split(",") if x.strip()) \
+        or ctx.pick((8,), (8, 32))
     rows: list[dict[str, Any]] = []
     kill_raw: dict[str, list[float | None]] = {}
     reload_raw: dict[str, list[dict[str, Any]]] = {}
