@@ -47,7 +47,7 @@ def run_preload(ref: str) -> float:
     t0 = time.monotonic()
     try:
         obj: Any = importlib.import_module(module_name)
-    except BaseException as e:  # noqa: BLE001 - the hook's import may raise anything
+    except BaseException as e:  # the hook's import may raise anything
         if isinstance(e, KeyboardInterrupt):
             raise
         raise PreloadError(f"{describe_exception(e)} (importing preload module {module_name!r})") from e
@@ -62,7 +62,7 @@ def run_preload(ref: str) -> float:
         result = obj()
         if inspect.isawaitable(result):
             asyncio.run(_await(result))
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:  # the hook may raise anything
         if isinstance(e, KeyboardInterrupt):
             raise
         raise PreloadError(f"{describe_exception(e)} (running preload {ref!r})") from e

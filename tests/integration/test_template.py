@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import textwrap
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
