@@ -37,16 +37,16 @@ from typing import Any, Callable, Mapping, Sequence
 import structlog
 
 from numaserve.config import Config
-from numaserve.launch import build_launch_argv
-from numaserve.listeners import Listener
-from numaserve.placement import SlotPlan
+from numaserve.bind.launch import build_launch_argv
+from numaserve.net.listeners import Listener
+from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV
 from numaserve.supervisor.workerproc import ForkedProcess, reap_strays, set_child_subreaper
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
 from numaserve.worker.template import TEMPLATE_SPEC_ENV, TemplateSpec, recv_msg, send_msg
-from numaserve.workerenv import THREAD_POOL_VARS, GPU_VENDORS
+from numaserve.bind.workerenv import THREAD_POOL_VARS, GPU_VENDORS
 
 __all__ = ["FORK_REPLY_TIMEOUT_S", "TemplateManager", "TemplateProc", "import_time_mismatch", "read_smaps_rollup"]
 

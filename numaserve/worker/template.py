@@ -1,6 +1,6 @@
 """A node's warm template: import the app once, bound to the node, then fork workers.
 
-Started by the supervisor through the exec trampoline (``numaserve.launch``)
+Started by the supervisor through the exec trampoline (``numaserve.bind.launch``)
 with the node's CPUs and memory policy in force before this interpreter
 starts, so the app's import-time allocations and the preload hook's (model
 weights) land on the node.  Then it waits on its control socket for fork
@@ -239,7 +239,7 @@ def _preimport(names: Iterable[str]) -> None:
 
 WORKER_MODULES = (
     "numaserve.worker.main", "numaserve.worker.serve", "numaserve.worker.admission_mw",
-    "numaserve.worker.shedding", "numaserve.verify", "numaserve.log",
+    "numaserve.worker.shedding", "numaserve.bind.verify", "numaserve.log",
     "uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl",
     "uvicorn.protocols.websockets.websockets_impl", "uvicorn.protocols.websockets.wsproto_impl",
     "uvicorn.lifespan.on", "uvicorn.loops.uvloop", "uvloop", "httptools", "zmq", "zmq.asyncio",
@@ -386,7 +386,7 @@ def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env
                 _say(f"not reparented to supervisor pid {reaper} (parent is {os.getppid()}); not starting")
                 os._exit(1)
             time.sleep(0.0002)
-        from numaserve.launch import set_pdeathsig
+        from numaserve.bind.launch import set_pdeathsig
 
         set_pdeathsig(signal.SIGKILL)  # armed only now: our first parent (the intermediate) is gone
         if os.getppid() != reaper:  # the supervisor died between the check and prctl

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from numaserve.verify import check_placement, read_placement
+from numaserve.bind.verify import check_placement, read_placement
 
 HERE = str(Path(__file__).resolve().parent)
 REPO = str(Path(__file__).resolve().parents[3])
