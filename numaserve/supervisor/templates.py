@@ -42,6 +42,7 @@ from numaserve.net.listeners import Listener
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.fdbudget import restore_child_nofile
+from numaserve.supervisor.lifecycle import describe_exit
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV
 from numaserve.supervisor.workerproc import ForkedProcess, reap_strays, set_child_subreaper
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
@@ -404,9 +405,18 @@ class TemplateManager:
     # -------------------------------------------------------------------- tick
 
     def tick(self, now: float, known_pids: Sequence[int] = ()) -> None:
-        """Reap templates (and stray children), respawn crashed ones when their backoff is due."""
+        """Reap templates (and stray children), respawn crashed ones when their backoff is due.
+
+        A fault here is logged, never raised: workers are exec'd while templates are broken,
+        and the supervision loop must go on."""
         if not self.nodes:
             return
+        try:
+            self._tick(now, known_pids)
+        except Exception:  # noqa: BLE001
+            log.exception("templates_tick_failed")
+
+    def _tick(self, now: float, known_pids: Sequence[int]) -> None:
         for t in list(self.retired):
             if t.popen.poll() is not None:
                 self.retired.remove(t)
@@ -420,8 +430,6 @@ class TemplateManager:
                 self._drain(t)
                 code = t.popen.returncode
                 t.exit_code = code
-                from numaserve.supervisor.arbiter import describe_exit
-
                 why = t.reason if t.state == FAILED else describe_exit(code)
                 nt.current = None
                 nt.last_exit = why
