@@ -238,7 +238,8 @@ def _preimport(names: Iterable[str]) -> None:
 
 
 WORKER_MODULES = (
-    "numaserve.worker.main", "numaserve.worker.serve", "numaserve.worker.admission_mw",
+    "numaserve.worker.main", "numaserve.worker.serve", "numaserve.worker.edge", "numaserve.worker.httpproto",
+    "numaserve.worker.admission_mw",
     "numaserve.worker.shedding", "numaserve.bind.verify", "numaserve.log",
     "uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl",
     "uvicorn.protocols.websockets.websockets_impl", "uvicorn.protocols.websockets.wsproto_impl",
