@@ -39,6 +39,7 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("log", "format"): "--log-format",
     ("placement", "topology_file"): "--declared",
     ("placement", "sysfs_root"): "--root",
+    ("worker", "start"): "--worker-start",
 }
 
 
@@ -230,6 +231,13 @@ class CmdConfig(_Section):
     allow_host_port: bool = False
 
 
+class WorkerConfig(_Section):
+    """How worker processes are started (a warm template per node, or a fresh interpreter each)."""
+
+    start: Literal["fork", "exec"] = "fork"
+    preload: str = ""
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
@@ -248,6 +256,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     allocator: AllocatorConfig = msgspec.field(default_factory=AllocatorConfig)
     cmd: CmdConfig = msgspec.field(default_factory=CmdConfig)
+    worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -282,6 +291,7 @@ _NON_NEGATIVE = {
     ("supervisor", "unresponsive_after"),
 }
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")
+_PRELOAD_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 def parse_bind(text: str) -> tuple[str, int]:
@@ -387,6 +397,11 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         raise bad("server", "cmd", cfg.server.cmd, "either server.app or server.cmd, not both")
     if cfg.server.app and not _APP_RE.match(cfg.server.app):
         raise bad("server", "app", cfg.server.app, "module:attribute, e.g. myapp.main:app")
+    if cfg.worker.preload and not _PRELOAD_RE.match(cfg.worker.preload):
+        raise bad("worker", "preload", cfg.worker.preload, "module:function, e.g. myapp.model:load_weights")
+    if cfg.worker.preload and cfg.server.cmd:
+        raise bad("worker", "preload", cfg.worker.preload,
+                  "server.app set (an external server.cmd imports nothing numaserve could preload)")
     if cfg.supervisor.heartbeat_timeout <= cfg.supervisor.heartbeat_interval:
         raise bad("supervisor", "heartbeat_timeout", cfg.supervisor.heartbeat_timeout,
                   f"more than supervisor.heartbeat_interval ({cfg.supervisor.heartbeat_interval})")

@@ -149,6 +149,9 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
             "reason": s["failed_reason"] or s["last_restart_reason"] or "",
         })
     out += fit_table(_STATUS_COLUMNS, rows, width)
+    from numaserve.cli.template_view import template_lines
+
+    out += template_lines(data, width, wrap_parts)
     for s in data["slots"]:
         for p in s.get("binding_problems") or []:
             out += wrap_parts([f"slot {s['slot']}: {p}"], width)

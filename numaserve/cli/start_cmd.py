@@ -30,6 +30,10 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 @click.option("--app", default=None, help="ASGI app as module:attr (default: the embedded demo app).")
 @click.option("--cmd", default=None, help='External server command per slot, e.g. "uvicorn app:app --fd {fd}".')
 @click.option("--app-dir", default=None, help="Directory prepended to sys.path before importing --app.")
+@click.option("--preload", default=None,
+              help="module:function run once after the app is imported (in each node's warm template).")
+@click.option("--worker-start", default=None, type=click.Choice(["fork", "exec"]),
+              help="fork workers from a warm per-node template, or exec each one ([worker] start).")
 @click.option("--backlog", type=int, default=None, help="Listen backlog of every slot's socket.")
 @click.option("--runtime-dir", default=None, help="Runtime directory for control sockets (mode 0700).")
 @click.option("--root", default=None, help="sysfs/procfs root to discover (for testing on dumps).")
@@ -51,6 +55,8 @@ def start(
     app: str | None,
     cmd: str | None,
     app_dir: str | None,
+    preload: str | None,
+    worker_start: str | None,
     backlog: int | None,
     runtime_dir: str | None,
     root: str | None,
@@ -96,6 +102,7 @@ def start(
         },
         "supervisor": {"runtime_dir": runtime_dir},
         "cmd": {"allow_host_port": allow_host_port or None},
+        "worker": {"preload": preload, "start": worker_start},
     }
     cfg = config_from_flags(config_path, overrides, ctx)
 

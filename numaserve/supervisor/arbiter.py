@@ -79,6 +79,7 @@ from numaserve.supervisor.rescue import Rescuer
 from numaserve.supervisor.stopseq import ACCEPT_SETTLE_MAX_S, StopSequence  # noqa: F401  (re-exported)
 from numaserve.supervisor.steer import Steering
 from numaserve.supervisor.spawn import spawn
+from numaserve.supervisor.templates import TemplateManager
 
 log = structlog.get_logger("numaserve.supervisor")
 
@@ -120,6 +121,7 @@ class Supervisor:
                                    on_exit=self._stop_probe)
         self.cmd_ready = ExternalReadiness(self, self.lifecycle, lambda: self.steering, lambda: self.listeners)
         self.limits = LimitsManager(self)
+        self.templates = TemplateManager(self)            # per-node warm templates ([worker] start = "fork")
         self.leakwatch = LeakWatch(self, self.operations)
         self._last_mem = 0.0
         self.listeners = ListenerSet()
@@ -278,6 +280,7 @@ class Supervisor:
         """Signals in, servers up, every slot spawned; tick until the stop finished; shut down."""
         self._install_signal_handlers()
         await self._start_servers()
+        await self.templates.start()  # [worker] start = "fork": each node's warm template, before any worker
         self._spawn_all()
         try:
             while not self._tick(time.monotonic()):
@@ -325,6 +328,7 @@ class Supervisor:
         """One pass of the supervision loop; True once the stop has finished."""
         self.heartbeat.beat()
         self.lifecycle.reap(now)
+        self.templates.tick(now)
         if self.stopping:
             if self.stopper.progress():
                 return True
@@ -400,6 +404,7 @@ class Supervisor:
                         w.popen.wait(5)
                     except Exception:
                         pass
+        self.templates.close()
         self.listeners.close()
         if self.admin_sock is not None:  # open() failed after binding it
             self.admin_sock.close()
@@ -439,7 +444,7 @@ class Supervisor:
         popen, external, env = spawn(
             self.cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
-            node_cpus=self._node_cpus(plan.node), token=token,
+            node_cpus=self._node_cpus(plan.node), token=token, forker=self.templates.forker(),
         )
         w = S.WorkerProc(generation=generation, popen=popen, started=now, external=external, env=env,
                          token=None if external else token)
@@ -453,6 +458,7 @@ class Supervisor:
             mempolicy=plan.mempolicy,
             memory_nodes=list(plan.memory_nodes),
             external=external,
+            start=TemplateManager.worker_start(popen)["mode"],
         )
         return w
 
@@ -552,6 +558,7 @@ class Supervisor:
             d["fds"] = ({k: extra.get(k) for k in ("fds_open", "fd_limit", "accept_errors", "fd_limit_hits")}
                         if "fd_limit" in extra else None)
             d["control_refused"] = self.rejected.get(slot.plan.slot, 0)
+            d["start"] = TemplateManager.worker_start(slot.worker.popen) if slot.worker else None
             out.append(d)
         return out
 
@@ -745,6 +752,12 @@ class Supervisor:
         slots = list(self.slots.values())
 
         async def body(op: Operation) -> str:
+            why = await self.templates.reload(new_cfg, op)  # make-before-break: old templates kept on failure
+            if why:
+                from numaserve.supervisor.operations import OperationFailed
+
+                self.notifier.reload_done(self.status_line())
+                raise OperationFailed(f"new app code failed to load, nothing rolled: {why}")
             self.cfg = new_cfg
             self.topology = topo
             self.ops_limiter.rate, self.ops_limiter.burst = new_cfg.ops.rate_limit, float(new_cfg.ops.rate_burst)
@@ -842,5 +855,6 @@ class Supervisor:
                      "notes": list(self.plan.notes)},
             "slots": self.slot_statuses(now),
             "limits": {str(n): d for n, d in self.limits.last_decision.items()},
+            "templates": self.templates.status(),
             "operations": self.operations.recent(),
         }

@@ -252,7 +252,7 @@ class NumaserveCollector(Collector):
             snap = {}
         b.snap = snap
         sections: list[Callable[[_Builder, Mapping[str, Any]], None]] = [
-            self._supervisor, self._operations, self._steering, self._irq, self._accept_queue,
+            self._supervisor, self._operations, self._steering, self._irq, self._accept_queue, self._templates,
         ]
         for fn in sections:
             self._guard(fn, b, snap)
@@ -304,6 +304,22 @@ class NumaserveCollector(Collector):
         if limited is not None:
             b.count("numaserve_ops_rate_limited_total", "Ops requests answered \"rate limited\"", [], [],
                     _num(limited))
+
+    def _templates(self, b: _Builder, snap: Mapping[str, Any]) -> None:
+        for t in _get(snap, "templates", "nodes") or []:
+            if not isinstance(t, Mapping):
+                continue
+            node = [str(t.get("node"))]
+            b.set("numaserve_template_ready", "1 when the node's warm template forks workers", ["node"], node,
+                  1.0 if t.get("state") == "ready" else 0.0)
+            b.set("numaserve_template_generation", "Generation of the node's warm template", ["node"], node,
+                  _num(t.get("generation")))
+            b.count("numaserve_template_restarts_total", "Warm template respawns after it died", ["node"], node,
+                    _num(t.get("restarts")))
+            mem = t.get("memory") if isinstance(t.get("memory"), Mapping) else {}
+            for key in ("pss", "shared", "private"):
+                b.set(f"numaserve_template_{key}_bytes", f"{key.upper() if key == 'pss' else key.capitalize()} "
+                      "memory of the node's warm template (smaps_rollup)", ["node"], node, _num(mem.get(f"{key}_bytes")))
 
     def _operations(self, b: _Builder, snap: Mapping[str, Any]) -> None:
         ops = snap.get("operations")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -11,6 +10,7 @@ from typing import Any, Iterator
 from numaserve.control.messages import Placement, Stats
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.backoff import RestartState
+from numaserve.supervisor.workerproc import WorkerProcess
 
 # Slot states, in the order an operator usually sees them.
 STARTING = "starting"      # worker spawned, not Ready yet
@@ -99,7 +99,7 @@ def restart_reason_class(reason: str) -> str:
 @dataclass
 class WorkerProc:
     generation: int
-    popen: subprocess.Popen[bytes]
+    popen: WorkerProcess                # exec'd (Popen) or forked from a node template (ForkedProcess)
     started: float                      # monotonic
     external: bool = False              # --cmd worker: no control channel
     identity: bytes | None = None       # ZeroMQ routing id once Hello arrived

@@ -13,7 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from numaserve.bind.allocator import allocator_env
 from numaserve.config import AllocatorConfig, CacheConfig, Config, FramingConfig, TlsConfig
@@ -24,6 +24,7 @@ from numaserve.net.listeners import Listener
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV, token_pipe
+from numaserve.supervisor.workerproc import WorkerProcess
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
 from numaserve.worker.tls import check_tls
 from numaserve.bind.workerenv import slot_env
@@ -57,6 +58,7 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         extra_fds=[lst.fd for lst in listeners[1:]],
         control=control,
         server=s,
+        preload=cfg.worker.preload,
         heartbeat_interval=cfg.supervisor.heartbeat_interval,
         stats_interval=1.0,
         admission=cfg.admission,
@@ -177,12 +179,16 @@ def spawn(
     all_gpus: Iterable[object] = (),
     node_cpus: Iterable[int] = (),
     token: str | None = None,
-) -> tuple[subprocess.Popen[bytes], bool, dict[str, str]]:
+    forker: Callable[..., WorkerProcess | None] | None = None,
+) -> tuple[WorkerProcess, bool, dict[str, str]]:
     """Start the slot's worker; returns (process, external?, variables numaserve set).
 
     ``token``: the per-spawn secret the worker proves itself with in Hello
     (``numaserve.supervisor.workerauth``), handed over in an inherited pipe
-    whose fd number is in ``NUMASERVE_TOKEN_FD``.
+    whose fd number is in ``NUMASERVE_TOKEN_FD`` (to a forked worker: in the
+    fork request).  ``forker``: the node templates' fork hook
+    (``numaserve.supervisor.templates``); when it returns None the worker is
+    exec'd as usual.
     """
     base = os.environ if environ is None else environ
     extra = numaserve_env(cfg, base, plan, generation, all_gpus)
@@ -202,6 +208,11 @@ def spawn(
         ppid=os.getpid(),
     )
     env = worker_env(base, plan, generation, spec, extra)
+    if forker is not None and spec is not None:
+        env.pop(TOKEN_FD_ENV, None)
+        forked = forker(plan, spec, env, listeners, token)
+        if forked is not None:
+            return forked, False, extra
     token_fd = token_pipe(token) if token is not None and not external else -1
     env.pop(TOKEN_FD_ENV, None)
     if token_fd >= 0:

@@ -13,9 +13,19 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["DEFAULT_APP", "AppLoadError", "describe_exception", "failure_line", "load_app"]
+__all__ = ["DEFAULT_APP", "AppLoadError", "describe_exception", "failure_line", "load_app", "remember_app"]
 
 DEFAULT_APP = "numaserve.apps.demo:app"
+
+
+#: Apps a warm template already loaded, by (ref, app_dir): a worker forked from it
+#: serves that object (a ``module:factory()`` is not called a second time).
+_loaded: dict[tuple[str, str], Any] = {}
+
+
+def remember_app(ref: str, app_dir: str, app: Any) -> None:
+    """Record the app a template loaded so ``load_app`` in its forked workers returns it."""
+    _loaded[(ref.strip() or DEFAULT_APP, app_dir)] = app
 
 
 class AppLoadError(Exception):
@@ -79,6 +89,8 @@ def load_app(ref: str, app_dir: str = "") -> Any:
     can sit in front of them.
     """
     ref = ref.strip() or DEFAULT_APP
+    if (ref, app_dir) in _loaded:
+        return _loaded[(ref, app_dir)]
     if app_dir and app_dir not in sys.path:
         sys.path.insert(0, app_dir)
     module_name, sep, attr_path = ref.partition(":")

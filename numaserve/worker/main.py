@@ -33,6 +33,7 @@ from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_i
 from numaserve.worker.fdwatch import FdWatch
 from numaserve.worker.edge import LifespanRecord, build_stack
 from numaserve.worker.serve import WorkerServer, loop_factory, open_listener
+from numaserve.worker.preload import PreloadError, run_preload
 from numaserve.worker.sniff import frame_stats
 from numaserve.worker.spec import WorkerSpec, spec_from_env
 from numaserve.worker.stats import WorkerStats
@@ -46,6 +47,7 @@ __all__ = [
     "Worker",
     "check_placement",
     "main",
+    "run_worker",
 ]
 
 EXIT_OK = 0
@@ -336,7 +338,9 @@ class Worker:
 
         try:
             app = load_app(spec.app, spec.app_dir)
-        except AppLoadError as e:
+            if spec.preload:
+                run_preload(spec.preload)  # no-op in a worker forked from a template that ran it
+        except (AppLoadError, PreloadError) as e:
             self.log.error("app_load_failed", app=spec.app or "(demo)", error=str(e),
                            exc_info=e.__cause__ is not None)
             for s in socks:
@@ -442,6 +446,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(json.dumps({"event": "bad_worker_spec", "level": "error",
                                      "error": describe_exception(e)}) + "\n")
         return EXIT_ERROR
+    return run_worker(spec, token)
+
+
+def run_worker(spec: WorkerSpec, token: str) -> int:
+    """Serve ``spec`` in this process until stopped; the exit status.
+
+    The body of ``main`` after the spec and token are in hand; a worker forked
+    from a warm template (``numaserve.worker.template``) enters here.
+    """
     log = _setup_logging(spec)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor orchestrates; Ctrl-C hits it
     try:

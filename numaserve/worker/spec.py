@@ -25,6 +25,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     extra_fds: list[int] = []      # more listeners of the same slot (other bind addresses)
     control: str                   # ZeroMQ endpoint of the supervisor's worker ROUTER
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)  # the [server] section, as configured
+    preload: str = ""              # "module:function" run once after the app is imported ([worker] preload)
     heartbeat_interval: float = 1.0
     stats_interval: float = 1.0
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)

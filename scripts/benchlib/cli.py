@@ -15,9 +15,9 @@ from typing import Any, Callable
 from benchlib import env
 from benchlib.common import Ctx
 
-SCENARIOS = ("throughput", "hotpath", "overload", "admission", "resilience", "balance", "overhead", "startup")
+SCENARIOS = ("throughput", "hotpath", "overload", "admission", "resilience", "balance", "overhead", "startup", "warm")
 #: What runs without --scenarios ("hotpath" adds granian and wrk and 32-worker runs: asked for by name).
-DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "hotpath")
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("hotpath", "warm"))  # "warm": issue 17, by name
 
 
 def _runner(name: str) -> Callable[[Ctx], dict[str, Any]]:
@@ -37,7 +37,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=env.DOCS, help=f"output directory (default {env.DOCS})")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 1 quick, 3 full)")
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                    help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but hotpath)")
+                    help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but hotpath and warm)")
     ap.add_argument("--servers", default="numaserve,uvicorn,gunicorn", help="comma-separated subset")
     ap.add_argument("--no-install", action="store_true", help="fail instead of pip-installing missing peers")
     ap.add_argument("--no-plots", action="store_true")

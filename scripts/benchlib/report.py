@@ -164,7 +164,25 @@ def md_hotpath(s: dict[str, Any]) -> list[str]:
     return out
 
 
-RENDER = {"hotpath": md_hotpath, "throughput": md_throughput, "overload": md_overload, "resilience": md_resilience,
+def md_warm(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: _srv_key(r["server"]))
+    sizes = s.get("params", {}).get("sizes", [8])
+    head = ["server", "kill -9 → replacement serving s", "reload 2 slots: done s", "reload failed",
+            "reload worst 0.5 s window × baseline"]
+    for w in sizes:
+        head += [f"{w} workers: all ready s", f"{w} workers: tree PSS MB", f"{w} workers: tree RSS MB"]
+    out = []
+    for r in rows:
+        cells = [r["server"], fmt(r["kill_to_serving_s"], 3), fmt(r["reload_done_s"], 2), fmt(r["reload_failed"], 0),
+                 fmt(r["reload_worst_window"], 2)]
+        for w in sizes:
+            m = r.get(f"w{w}") or {}
+            cells += [fmt(m.get("all_ready_s"), 2), fmt(m.get("tree_pss_mb"), 0), fmt(m.get("tree_rss_mb"), 0)]
+        out.append(cells)
+    return _table(head, out)
+
+
+RENDER = {"warm": md_warm, "hotpath": md_hotpath, "throughput": md_throughput, "overload": md_overload, "resilience": md_resilience,
           "balance": md_balance, "overhead": md_overhead, "admission": md_admission, "startup": md_startup}
 
 

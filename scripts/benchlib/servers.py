@@ -49,6 +49,13 @@ KINDS = ("numaserve", "uvicorn", "gunicorn")
 #: Peers only some scenarios run (they bind their own sockets and have no reload/kill story
 #: the other scenarios measure): granian (Rust HTTP server, ASGI interface).
 EXTRA_KINDS = ("granian",)
+#: Named variants of a kind (``--servers`` accepts them): gunicorn's ``--preload`` (the app
+#: imported once in the master, workers forked from it) and numaserve with every worker exec'd.
+VARIANTS = {
+    "gunicorn-preload": ("gunicorn", {"preload": True}),
+    "numaserve-exec": ("numaserve", {"numaserve_toml": '\n[worker]\nstart = "exec"\n'}),
+    "numaserve-fork": ("numaserve", {"numaserve_toml": '\n[worker]\nstart = "fork"\n'}),
+}
 
 
 @dataclass
@@ -64,6 +71,15 @@ class ServerConfig:
     numaserve_toml: str = ""              # appended to the base config
     app: str = APP                        # module:attribute in scripts/bench_apps
     checkout: str = ""                    # numaserve: run this source tree instead of ours (before/after)
+    preload: bool = False                 # gunicorn: --preload
+
+    def __post_init__(self) -> None:
+        if self.kind in VARIANTS:
+            base, extra = VARIANTS[self.kind]
+            self.label = self.label or self.kind
+            self.kind = base
+            for key, value in extra.items():
+                setattr(self, key, (getattr(self, key) + value) if key == "numaserve_toml" else value)
 
     @property
     def name(self) -> str:
@@ -122,7 +138,7 @@ class Server:
                     c.app]
         return [sys.executable, "-m", "gunicorn", "-k", peer_worker_class(), "-w", str(c.workers),
                 "-b", f"127.0.0.1:{self.port}", "--chdir", str(APP_DIR), "--log-level", "info",
-                "--error-logfile", "-", c.app]
+                "--error-logfile", "-", *(["--preload"] if c.preload else []), c.app]
 
     def start(self) -> "Server":
         env = dict(os.environ)

@@ -37,6 +37,10 @@ level = "info"
 format = "json"
 """
 
+#: Appended to a config: workers exec'd one by one, for tests that pin per-process import-time
+#: behaviour (an app failing at import in one slot, import-time rlimits, /proc/PID/environ).
+EXEC_WORKERS = '\n[worker]\nstart = "exec"\n'
+
 
 def numaserve_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "numaserve", *args]

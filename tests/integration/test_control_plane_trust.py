@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from numaserve.control import messages as m
-from tests.integration.harness import FAST_CONFIG, REPO, Running, numaserve_argv, pid_alive
+from tests.integration.harness import EXEC_WORKERS, FAST_CONFIG, REPO, Running, numaserve_argv, pid_alive
 from tests.integration.test_control_plane_limits import curve_setup, remote
 
 pytestmark = pytest.mark.slow
@@ -184,6 +184,7 @@ def test_a_revoked_curve_key_is_refused_after_reload_and_sighup(tmp_path: Path) 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_worker_fd_exhaustion_is_logged_and_shown_in_status(loop: str) -> None:
     cfg = FAST_CONFIG.replace("[server]\n", f'[server]\nloop = "{loop}"\n', 1)
+    cfg += EXEC_WORKERS  # fdlimited lowers RLIMIT_NOFILE at import: a per-process import (exec'd workers)
     with Running(ONE + ["--app", "fdlimited:app"], config=cfg) as sup:
         assert sup.port is not None
         held = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Running, two_pretend_nodes
+from tests.integration.harness import EXEC_WORKERS, FAST_CONFIG, Running, two_pretend_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,10 @@ def served_nodes(port: int, cpu: int, n: int) -> collections.Counter[int]:
 def test_numa_steering_serves_on_the_receiving_node(tmp_path: Path) -> None:
     declared = _declared(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    with Running(["--declared", str(declared), "--steering", "numa", "--bind", "127.0.0.1:0"]) as sup:
+    # exec'd workers: a forked replacement serves again within ~0.1 s, too soon to watch the window
+    # in which the other node serves this node's clients (test_template.py covers forked replacements)
+    with Running(["--declared", str(declared), "--steering", "numa", "--bind", "127.0.0.1:0"],
+                 config=FAST_CONFIG + EXEC_WORKERS) as sup:
         sup.wait_for(lambda st: st["supervisor"]["steering"]["program_attached"], 10, "program attached")
         for node, cpu in enumerate(cpus):
             got = served_nodes(sup.port, cpu, 100)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import FAST_CONFIG, Running, http_get
+from tests.integration.harness import EXEC_WORKERS, FAST_CONFIG, Running, http_get
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,9 @@ def test_thread_pools_and_templated_env_reach_the_worker() -> None:
     pytest.importorskip("numpy")
     pytest.importorskip("threadpoolctl")
     cfg = FAST_CONFIG + '\n[env]\nvars = { SHARD = "s{slot}-n{node}-c{ncpus}" }\n[env.slot."1"]\nONLY_ONE = "yes"\n'
+    # /proc/PID/environ is the environment a process was exec'd with: exec'd workers here
+    # (a forked worker's own environment is checked from inside in test_template.py)
+    cfg += EXEC_WORKERS
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
     with Running(["--nodes", "0", "--workers-per-node", "2", "--app", "blasapp:app", "--bind", "127.0.0.1:0"],
                  config=cfg, env=env) as sup:

@@ -151,7 +151,9 @@ def run_guest_pytest(guest_dir: Path, selected_tests: list[str], all_tests: list
     else:
         targets = [f"{rel}/{t}" for t in selected_tests if not t.endswith("::<module>")]
     envs: list[str] = []
-    for k, v in {"NUMASERVE_IN_VM": "1", "PYTHONUNBUFFERED": "1", **(env or {})}.items():
+    # PYTHONPATH: every process the guest starts (supervisor, templates, workers with their cwd in an
+    # app dir) imports numaserve from this checkout, as the guest pytest does from its cwd
+    for k, v in {"NUMASERVE_IN_VM": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}.items():
         envs += ["--env", f"{k}={v}"]
     cmd = [
         str(LAB_SCRIPT), "--cwd", str(REPO), "--timeout", str(timeout), "--share", str(share), *lab_args, *envs,

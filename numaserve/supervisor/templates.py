@@ -1,0 +1,609 @@
+"""Per-node warm templates, supervisor side: start, fork through, replace, respawn.
+
+With ``[worker] start = "fork"`` every node that has slots gets one template
+process (``numaserve.worker.template``), started through the exec trampoline
+bound to the node (CPUs of its slots, the slots' memory policy), which
+imports the app and runs the preload hook once.  A worker spawn then asks
+the node's template to fork (a few milliseconds, pages shared
+copy-on-write) instead of exec'ing a fresh interpreter.
+
+Whenever forking is not possible the spawn execs as before, with one log
+line saying why: no template yet (starting, crashed, backing off), the
+template has threads (fork-unsafe), the slot needs a different memory
+policy or import-time environment than its template has, the template did
+not answer.  Availability first: a fork path problem never stops a slot.
+
+The supervisor is a child subreaper, so forked workers reparent to it and it
+reaps them (``numaserve.supervisor.workerproc``).  A template crash is
+respawned with the slots' backoff policy; its workers are not its children
+and keep serving.  A reload starts a new template generation per node and
+switches only when every one is ready (make-before-break); one that fails to
+import leaves the old templates in place and fails the reload with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import structlog
+
+from numaserve.config import Config
+from numaserve.bind.launch import build_launch_argv
+from numaserve.net.listeners import Listener
+from numaserve.bind.placement import SlotPlan
+from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.fdbudget import restore_child_nofile
+from numaserve.supervisor.lifecycle import describe_exit
+from numaserve.supervisor.workerauth import TOKEN_FD_ENV
+from numaserve.supervisor.workerproc import ForkedProcess, reap_strays, set_child_subreaper
+from numaserve.worker.spec import SPEC_ENV, WorkerSpec
+from numaserve.worker.template import TEMPLATE_SPEC_ENV, TemplateSpec, recv_msg, send_msg
+from numaserve.bind.workerenv import THREAD_POOL_VARS, GPU_VENDORS
+
+__all__ = ["FORK_REPLY_TIMEOUT_S", "TemplateManager", "TemplateProc", "import_time_mismatch", "read_smaps_rollup"]
+
+log = structlog.get_logger("numaserve.supervisor")
+
+#: A fork takes milliseconds; a template that does not answer in this long is treated as hung.
+FORK_REPLY_TIMEOUT_S = 3.0
+
+# Template states.
+STARTING = "starting"
+READY = "ready"          # forks on request
+REFUSED = "refused"      # imported fine, but has threads: forking is unsafe, workers are exec'd
+FAILED = "failed"        # the app or preload failed in it (reason says why)
+EXITED = "exited"
+
+_GPU_VARS = tuple(v for v, _ in GPU_VENDORS.values()) + ("CUDA_DEVICE_ORDER",)
+
+
+def import_time_mismatch(template_env: Mapping[str, str], slot_env: Mapping[str, str]) -> list[str]:
+    """Variables read when libraries load (allocator, thread pools, GPUs, Python's own)
+    whose value differs between a template and a slot: a fork would not honour them."""
+    keys = set(template_env) | set(slot_env)
+
+    def matters(k: str) -> bool:
+        return (k in THREAD_POOL_VARS or k in _GPU_VARS or k.startswith(("LD_", "MALLOC", "PYTHON"))) \
+            and k not in (SPEC_ENV, TEMPLATE_SPEC_ENV, TOKEN_FD_ENV)
+
+    return sorted(k for k in keys if matters(k) and template_env.get(k) != slot_env.get(k))
+
+
+def read_smaps_rollup(pid: int, proc: str = "/proc") -> dict[str, int] | None:
+    """rss/pss/shared/private bytes of a process (``/proc/PID/smaps_rollup``), None if unreadable."""
+    try:
+        with open(f"{proc}/{pid}/smaps_rollup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    kb: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            kb[parts[0][:-1]] = int(parts[1])
+    return {
+        "rss_bytes": kb.get("Rss", 0) * 1024,
+        "pss_bytes": kb.get("Pss", 0) * 1024,
+        "shared_bytes": (kb.get("Shared_Clean", 0) + kb.get("Shared_Dirty", 0)) * 1024,
+        "private_bytes": (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) * 1024,
+    }
+
+
+@dataclass
+class TemplateProc:
+    """One generation of one node's template."""
+
+    node: int
+    generation: int
+    popen: subprocess.Popen[bytes]
+    sock: socket.socket
+    env: dict[str, str]
+    mempolicy: str
+    memory_nodes: tuple[int, ...]
+    cpus: tuple[int, ...]
+    started: float
+    state: str = STARTING
+    ready_at: float | None = None
+    import_s: float | None = None
+    preload_s: float | None = None
+    threads: list[str] = field(default_factory=list)
+    reason: str | None = None
+    forks: int = 0
+    exit_code: int | None = None
+    retired: bool = False
+    ready_evt: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class NodeTemplate:
+    """A node's template slot: the current generation and its restart bookkeeping."""
+
+    node: int
+    plans: list[SlotPlan]
+    restart: RestartState
+    current: TemplateProc | None = None
+    generation: int = 0
+    next_start: float | None = None
+    restarts: int = 0
+    last_exit: str | None = None
+    fallback_logged: str | None = None
+
+
+class TemplateManager:
+    """Owns every node's template; the arbiter calls ``start``, ``forker``, ``tick``, ``reload``, ``close``."""
+
+    def __init__(self, sup: Any) -> None:
+        self.sup = sup
+        self.nodes: dict[int, NodeTemplate] = {}
+        self.retired: list[TemplateProc] = []
+        self.subreaper = False
+        self.disabled_reason: str | None = None
+        self.policy = RestartPolicy(**vars(sup.policy)) if hasattr(sup, "policy") else RestartPolicy()
+
+    # ------------------------------------------------------------ configuration
+
+    def wanted(self, cfg: Config | None = None) -> bool:
+        cfg = cfg or self.sup.cfg
+        return cfg.worker.start == "fork" and not cfg.server.cmd
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.nodes)
+
+    def _group(self) -> dict[int, list[SlotPlan]]:
+        out: dict[int, list[SlotPlan]] = {}
+        for p in self.sup.plan.slots:
+            out.setdefault(p.node, []).append(p)
+        return out
+
+    # ------------------------------------------------------------------- start
+
+    async def start(self) -> None:
+        """Start every node's template and wait (bounded) until each is ready or failed."""
+        if not self.wanted():
+            return
+        if not self.subreaper:
+            try:
+                set_child_subreaper(True)
+                self.subreaper = True
+            except OSError as e:
+                self.disabled_reason = f"cannot become a child subreaper ({e}): workers are exec'd"
+                log.error("templates_disabled", reason=self.disabled_reason)
+                return
+        for node, plans in sorted(self._group().items()):
+            self.nodes[node] = NodeTemplate(node=node, plans=plans, restart=RestartState(self.policy))
+        started = []
+        for nt in self.nodes.values():
+            t = self._start_generation(nt, self.sup.cfg)
+            if t is not None:
+                nt.current = t
+                started.append(t)
+        await self._wait_ready(started, self.sup.cfg.supervisor.ready_timeout)
+        for t in started:
+            nt = self.nodes[t.node]
+            if t.state == STARTING:
+                self._retire(t, f"not ready within {self.sup.cfg.supervisor.ready_timeout:g}s")
+                nt.current = None
+                nt.last_exit = t.reason
+                self._schedule_restart(nt, time.monotonic(), t.reason or "not ready")
+            elif t.state == FAILED:
+                log.error("template_failed", node=t.node, generation=t.generation, reason=t.reason,
+                          fallback="exec")
+
+    def _start_generation(self, nt: NodeTemplate, cfg: Config) -> TemplateProc | None:
+        """Spawn a new template generation for ``nt`` (not made current: the caller decides)."""
+        from numaserve.supervisor.spawn import numaserve_env, worker_env
+
+        first = nt.plans[0]
+        cpus = tuple(sorted({c for p in nt.plans for c in p.cpus}))
+        base = os.environ
+        gpus = self.sup.topology.gpus if self.sup.topology else ()
+        extra = numaserve_env(cfg, base, first, 0, gpus)
+        env = worker_env(base, first, 0, None, extra)
+        for k in ("NUMASERVE_SLOT", "NUMASERVE_GENERATION", TOKEN_FD_ENV):
+            env.pop(k, None)
+        nt.generation += 1
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        spec = TemplateSpec(
+            node=nt.node, generation=nt.generation, app=cfg.server.app, app_dir=cfg.server.app_dir,
+            preload=cfg.worker.preload, control_fd=child.fileno(), log_level=cfg.log.level,
+            log_format=cfg.log.format, gc_freeze=cfg.allocator.gc_freeze,
+        )
+        launch_env = dict(env)
+        launch_env[TEMPLATE_SPEC_ENV] = spec.to_env()
+        # the words after the module are for ps(1) only (forked workers show them too)
+        shown = [f"node={nt.node}", f"app={cfg.server.app or 'numaserve.apps.demo:app'}"]
+        argv = build_launch_argv([sys.executable, "-m", "numaserve.worker.template", *shown], cpus=cpus or None,
+                                 mempolicy=first.mempolicy, nodes=first.memory_nodes, ppid=os.getpid())
+        try:
+            popen = subprocess.Popen(argv, pass_fds=[child.fileno()], env=launch_env, stdin=subprocess.DEVNULL,
+                                     close_fds=True, process_group=0, cwd=cfg.server.app_dir or None)
+        except OSError as e:
+            parent.close()
+            child.close()
+            log.error("template_spawn_failed", node=nt.node, error=str(e))
+            self._schedule_restart(nt, time.monotonic(), f"spawn failed: {e}")
+            return None
+        finally:
+            if child.fileno() >= 0:
+                child.close()
+        restore_child_nofile(popen.pid)
+        parent.setblocking(False)
+        t = TemplateProc(node=nt.node, generation=nt.generation, popen=popen, sock=parent, env=env,
+                         mempolicy=first.mempolicy, memory_nodes=tuple(first.memory_nodes), cpus=cpus,
+                         started=time.monotonic())
+        try:
+            asyncio.get_running_loop().add_reader(parent.fileno(), self._on_readable, t)
+        except RuntimeError:
+            pass  # no loop (unit tests drive _drain by hand)
+        log.info("template_spawn", node=nt.node, generation=t.generation, pid=popen.pid, cpus=list(cpus),
+                 mempolicy=first.mempolicy, memory_nodes=list(first.memory_nodes),
+                 app=cfg.server.app or "numaserve.apps.demo:app", preload=cfg.worker.preload or None)
+        return t
+
+    async def _wait_ready(self, ts: Sequence[TemplateProc], timeout: float) -> None:
+        waits = [t.ready_evt.wait() for t in ts if t.state == STARTING]
+        if waits:
+            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout)
+
+    # ---------------------------------------------------------------- messages
+
+    def _on_readable(self, t: TemplateProc) -> None:
+        self._drain(t)
+        self.sup.wake.set()
+
+    def _drain(self, t: TemplateProc) -> None:
+        """Read what a template said on its own (ready / failed); end-of-file means it is going."""
+        while True:
+            try:
+                msg, fds = recv_msg(t.sock)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (OSError, ValueError) as e:
+                log.warning("template_bad_message", node=t.node, generation=t.generation, error=str(e))
+                if isinstance(e, OSError):
+                    self._unwatch(t)
+                    return
+                continue
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                self._unwatch(t)
+                t.ready_evt.set()
+                return
+            kind = msg.get("t")
+            if kind == "ready" and t.state == STARTING:
+                t.ready_at = time.monotonic()
+                t.import_s = _num(msg.get("import_s"))
+                t.preload_s = _num(msg.get("preload_s"))
+                t.threads = [str(x) for x in msg.get("threads") or []][:32]
+                if t.threads:
+                    t.state = REFUSED
+                    t.reason = "the template has threads, forking it is unsafe: " + "; ".join(t.threads)
+                    log.error("fork_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
+                              fallback="exec", reason=t.reason)
+                    self._stop_refused(t)
+                else:
+                    t.state = READY
+                t.ready_evt.set()
+            elif kind == "failed" and t.state == STARTING:
+                t.state = FAILED
+                t.reason = str(msg.get("reason") or "failed")[:500]
+                t.ready_evt.set()
+            else:
+                log.debug("template_unexpected_message", node=t.node, kind=kind)
+
+    def _unwatch(self, t: TemplateProc) -> None:
+        try:
+            asyncio.get_running_loop().remove_reader(t.sock.fileno())
+        except (RuntimeError, ValueError, OSError):
+            pass
+
+    # -------------------------------------------------------------------- fork
+
+    def forker(self) -> Callable[..., ForkedProcess | None] | None:
+        """The fork hook for ``spawn`` (None when templates are off)."""
+        return self.fork if self.enabled else None
+
+    def fork(self, plan: SlotPlan, spec: WorkerSpec, env: Mapping[str, str], listeners: Sequence[Listener],
+             token: str | None) -> ForkedProcess | None:
+        """Fork the slot's worker from its node's template; None (reason logged) to exec instead."""
+        nt = self.nodes.get(plan.node)
+        t = nt.current if nt else None
+        why = None
+        if t is None or token is None:
+            why = f"no template for node {plan.node}" + (f" ({nt.last_exit})" if nt and nt.last_exit else "")
+        elif t.state != READY:
+            why = f"node {plan.node} template is {t.state}" + (f": {t.reason}" if t.reason else "")
+        elif (plan.mempolicy, tuple(plan.memory_nodes)) != (t.mempolicy, t.memory_nodes):
+            why = f"slot {plan.slot} memory policy differs from its node template's"
+        else:
+            bad = import_time_mismatch(t.env, env)
+            if bad:
+                why = f"slot {plan.slot} needs other import-time variables than its template ({', '.join(bad)})"
+        if why is None:
+            assert t is not None and token is not None
+            proc, why = self._request_fork(t, plan, spec, env, listeners, token)
+            if proc is not None:
+                if nt is not None:
+                    nt.fallback_logged = None  # a later fallback is news again
+                return proc
+        assert nt is not None or why
+        key = why or ""
+        if nt is None or nt.fallback_logged != key:
+            log.warning("spawn_exec_fallback", slot=plan.slot, node=plan.node, reason=why)
+            if nt is not None:
+                nt.fallback_logged = key
+        return None
+
+    def _request_fork(self, t: TemplateProc, plan: SlotPlan, spec: WorkerSpec, env: Mapping[str, str],
+                      listeners: Sequence[Listener], token: str) -> tuple[ForkedProcess | None, str | None]:
+        import msgspec
+
+        rid = uuid.uuid4().hex[:12]
+        req = {"t": "fork", "id": rid, "spec": msgspec.to_builtins(spec), "token": token, "env": dict(env),
+               "cpus": list(plan.cpus), "reaper": os.getpid()}
+        self._unwatch(t)
+        t.sock.settimeout(FORK_REPLY_TIMEOUT_S)
+        try:
+            send_msg(t.sock, req, [lst.fd for lst in listeners])
+            deadline = time.monotonic() + FORK_REPLY_TIMEOUT_S
+            while True:
+                msg, fds = recv_msg(t.sock)
+                for fd in fds:
+                    os.close(fd)
+                if msg is None:
+                    return None, f"node {plan.node} template closed its channel"
+                if msg.get("id") == rid:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+        except (TimeoutError, socket.timeout):
+            t.reason = f"did not answer a fork request within {FORK_REPLY_TIMEOUT_S:g}s"
+            log.error("template_hung", node=t.node, generation=t.generation, pid=t.pid, reason=t.reason)
+            self._kill(t)
+            return None, f"node {plan.node} template {t.reason}"
+        except (OSError, ValueError) as e:
+            return None, f"node {plan.node} template channel failed: {e}"
+        finally:
+            if t.sock.fileno() >= 0:
+                t.sock.setblocking(False)
+                if t.popen.poll() is None:
+                    try:
+                        asyncio.get_running_loop().add_reader(t.sock.fileno(), self._on_readable, t)
+                    except RuntimeError:
+                        pass
+        kind = msg.get("t")
+        if kind == "forked":
+            pid = int(msg["pid"])
+            t.forks += 1
+            restore_child_nofile(pid)
+            return ForkedProcess(pid, template_pid=t.pid, template_generation=t.generation, node=t.node), None
+        if kind == "refused":
+            t.state = REFUSED
+            t.threads = [str(x) for x in msg.get("threads") or []][:32]
+            t.reason = str(msg.get("reason"))[:500]
+            log.error("fork_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
+                      fallback="exec", reason=t.reason)
+            self._stop_refused(t)
+            return None, t.reason
+        return None, f"node {plan.node} template: {msg.get('reason') or kind}"
+
+    # -------------------------------------------------------------------- tick
+
+    def tick(self, now: float, known_pids: Sequence[int] = ()) -> None:
+        """Reap templates (and stray children), respawn crashed ones when their backoff is due.
+
+        A fault here is logged, never raised: workers are exec'd while templates are broken,
+        and the supervision loop must go on."""
+        if not self.nodes:
+            return
+        try:
+            self._tick(now, known_pids)
+        except Exception:  # noqa: BLE001
+            log.exception("templates_tick_failed")
+
+    def _tick(self, now: float, known_pids: Sequence[int]) -> None:
+        for t in list(self.retired):
+            if t.popen.poll() is not None:
+                self.retired.remove(t)
+                self._close_sock(t)
+        for nt in self.nodes.values():
+            t = nt.current
+            if t is not None and t.state == REFUSED:
+                t.popen.poll()  # stopped on purpose (see _stop_refused): reaped, not respawned
+                continue
+            if t is not None and t.popen.poll() is not None:
+                self._drain(t)
+                code = t.popen.returncode
+                t.exit_code = code
+                why = t.reason if t.state == FAILED else describe_exit(code)
+                nt.current = None
+                nt.last_exit = why
+                self._close_sock(t)
+                if not self.sup.stopping:
+                    log.warning("template_exit", node=nt.node, generation=t.generation, pid=t.pid, exit=why,
+                                forks=t.forks, note="its workers keep serving; new workers are exec'd until it is back")
+                    self._schedule_restart(nt, now, why, uptime=now - t.started)
+            elif t is None and nt.next_start is not None and now >= nt.next_start and not self.sup.stopping:
+                nt.next_start = None
+                new = self._start_generation(nt, self.sup.cfg)
+                if new is not None:
+                    nt.current = new
+                    nt.restarts += 1
+            elif t is not None and t.state == READY and t.ready_at and now - t.ready_at > self.policy.reset_after:
+                nt.restart.consecutive = 0
+        if self.subreaper:
+            workers = {w.pid for sl in self.sup.slots.values() for w in sl.workers()}
+            known = set(known_pids) | workers | {nt.current.pid for nt in self.nodes.values() if nt.current} | \
+                {t.pid for t in self.retired}
+            for pid, code in reap_strays(known):
+                log.info("reaped_stray_child", pid=pid, exit=code)
+
+    def _schedule_restart(self, nt: NodeTemplate, now: float, why: str, uptime: float = 0.0) -> None:
+        delay, looping = nt.restart.record_exit(now, uptime)
+        if looping:
+            delay = nt.restart.retry_delay()
+        nt.next_start = now + delay
+        log.info("template_backoff", node=nt.node, delay_s=round(delay, 3), reason=why, crash_loop=looping)
+
+    # ------------------------------------------------------------------ reload
+
+    async def reload(self, cfg: Config, op: Any = None) -> str | None:
+        """New template generation on every node, switched in only when all are ready.
+
+        Returns None on success, else why (old templates kept, nothing switched).
+        """
+        if not self.wanted(cfg):
+            for nt in self.nodes.values():
+                if nt.current is not None:
+                    self._retire(nt.current, "templates turned off by reload")
+                    nt.current = None
+            self.nodes.clear()
+            return None
+        if not self.nodes:
+            await self.start()  # exec -> fork by reload, or the first start found no subreaper
+            return None
+        new = {node: self._start_generation(nt, cfg) for node, nt in self.nodes.items()}
+        started = [t for t in new.values() if t is not None]
+        timeout = cfg.supervisor.ready_timeout
+        await self._wait_ready(started, timeout)
+        bad = []
+        for node, t in sorted(new.items()):
+            if t is None:
+                bad.append(f"node {node}: template could not be spawned")
+            elif t.state not in (READY, REFUSED):
+                state = t.state if t.popen.poll() is None else f"exited ({t.popen.returncode})"
+                bad.append(f"node {node}: new template (generation {t.generation}) "
+                           + (t.reason or (f"not ready within {timeout:g}s" if t.state == STARTING else state)))
+        if bad:
+            for t in started:
+                self._retire(t, "reload failed")
+            return "; ".join(bad) + "; old template kept, old worker kept serving on every slot"
+        for node, t in new.items():
+            nt = self.nodes[node]
+            if nt.current is not None:
+                self._retire(nt.current, f"replaced by generation {t.generation if t else '?'}")
+            nt.current = t
+            nt.next_start = None
+            nt.fallback_logged = None
+            if op is not None and t is not None:
+                op.step(f"node {node}: template generation {t.generation} ready", pid=t.pid,
+                        import_s=t.import_s, preload_s=t.preload_s, fork=t.state == READY)
+        return None
+
+    def _stop_refused(self, t: TemplateProc) -> None:
+        """A template that cannot fork only holds memory: stop it, keep its record (status says why).
+
+        It is not respawned (it would refuse again); a reload tries a new generation."""
+        self._terminate(t)
+
+    def _retire(self, t: TemplateProc, why: str) -> None:
+        """Close its channel (it exits on end-of-file) and make sure it goes."""
+        t.retired = True
+        t.reason = t.reason or why
+        if self._terminate(t):
+            self.retired.append(t)
+
+    def _terminate(self, t: TemplateProc) -> bool:
+        """Channel closed, SIGTERM sent; True when it was still running (reap it later)."""
+        self._close_sock(t)
+        if t.popen.poll() is not None:
+            return False
+        try:
+            t.popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        return True
+
+    def _kill(self, t: TemplateProc) -> None:
+        try:
+            t.popen.kill()
+        except ProcessLookupError:
+            pass
+
+    def _close_sock(self, t: TemplateProc) -> None:
+        self._unwatch(t)
+        try:
+            t.sock.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        ts = [nt.current for nt in self.nodes.values() if nt.current] + list(self.retired)
+        for t in ts:
+            self._close_sock(t)
+            if t.popen.poll() is None:
+                t.popen.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 2.0
+        for t in ts:
+            try:
+                t.popen.wait(max(0.01, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                t.popen.kill()
+                try:
+                    t.popen.wait(2)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.retired.clear()
+        for nt in self.nodes.values():
+            nt.current = None
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        cfg = self.sup.cfg
+        out: dict[str, Any] = {"start": cfg.worker.start, "preload": cfg.worker.preload or None,
+                               "active": self.enabled, "disabled_reason": self.disabled_reason,
+                               "subreaper": self.subreaper, "nodes": []}
+        if cfg.server.cmd and cfg.worker.start == "fork":
+            out["disabled_reason"] = "server.cmd: external commands are always exec'd"
+        now = time.monotonic()
+        for node, nt in sorted(self.nodes.items()):
+            t = nt.current
+            out["nodes"].append({
+                "node": node,
+                "state": t.state if t else ("backoff" if nt.next_start else "none"),
+                "pid": t.pid if t else None,
+                "generation": t.generation if t else None,
+                "cpus": list(t.cpus) if t else None,
+                "mempolicy": t.mempolicy if t else None,
+                "memory_nodes": list(t.memory_nodes) if t else None,
+                "import_s": t.import_s if t else None,
+                "preload_s": t.preload_s if t else None,
+                "uptime_s": round(now - t.started, 3) if t else None,
+                "forks": t.forks if t else 0,
+                "threads": list(t.threads) if t else [],
+                "reason": t.reason if t else None,
+                "memory": read_smaps_rollup(t.pid) if t and t.popen.poll() is None else None,
+                "running": bool(t and t.popen.poll() is None),
+                "restarts": nt.restarts,
+                "last_exit": nt.last_exit,
+                "restart_in_s": round(max(0.0, nt.next_start - now), 3) if nt.next_start else None,
+            })
+        return out
+
+    @staticmethod
+    def worker_start(popen: Any) -> dict[str, Any]:
+        """How a worker was started: forked from which template, or exec'd."""
+        if isinstance(popen, ForkedProcess):
+            return {"mode": "fork", "template_pid": popen.template_pid,
+                    "template_generation": popen.template_generation, "node": popen.node}
+        return {"mode": "exec"}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) else None

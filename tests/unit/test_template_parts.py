@@ -1,0 +1,192 @@
+"""Warm-template parts on fixtures and real (tiny) processes: thread diagnosis,
+import-time environment check, smaps_rollup, the wire format, the forked-worker
+handle, stray reaping, the preload hook, and the [worker] config keys."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from numaserve.config import load_config
+from numaserve.errors import ConfigError
+from numaserve.supervisor.templates import import_time_mismatch, read_smaps_rollup
+from numaserve.supervisor.workerproc import ForkedProcess, child_pids, reap_strays
+from numaserve.worker import template as T
+from numaserve.worker.preload import PreloadError, preload_done, run_preload
+
+
+def test_describe_threads_names_python_and_native_threads_with_suspects() -> None:
+    py = [("MainThread", 100, ""), ("exporter", 101, "myapp.metrics")]
+    comms = {100: "python3", 101: "exporter", 102: "openblas_thd"}
+    out = T.describe_threads(py, comms, ["numpy", "numpy.linalg", "json"], main_tid=100)
+    assert out[0] == "python thread 'exporter' (tid 101, started by myapp.metrics)"
+    assert "'openblas_thd' (tid 102)" in out[1] and "numpy (a BLAS/OpenMP pool" in out[1]
+    assert T.describe_threads([("MainThread", 100, "")], {100: "python3"}, ["numpy"], main_tid=100) == []
+
+
+def test_describe_threads_without_a_known_suspect_still_names_the_thread() -> None:
+    out = T.describe_threads([], {1: "python3", 2: "worker"}, ["json"], main_tid=1)
+    assert out == ["native threads 'worker' (tid 2)"]
+
+
+def test_current_threads_sees_a_real_thread() -> None:
+    import threading
+
+    stop = threading.Event()
+    th = threading.Thread(target=stop.wait, name="probe-thread", daemon=True)
+    th.start()
+    try:
+        assert any("probe-thread" in line for line in T.current_threads())
+    finally:
+        stop.set()
+        th.join()
+
+
+def test_import_time_mismatch_only_counts_variables_read_at_load() -> None:
+    tmpl = {"OMP_NUM_THREADS": "2", "NUMASERVE_SLOT": "0", "LD_PRELOAD": "", "SHARD": "a"}
+    same = {"OMP_NUM_THREADS": "2", "NUMASERVE_SLOT": "3", "LD_PRELOAD": "", "SHARD": "b"}
+    assert import_time_mismatch(tmpl, same) == []
+    other = dict(same, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="4", CUDA_VISIBLE_DEVICES="1")
+    assert import_time_mismatch(tmpl, other) == ["CUDA_VISIBLE_DEVICES", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS"]
+
+
+def test_read_smaps_rollup(tmp_path: Path) -> None:
+    d = tmp_path / "42"
+    d.mkdir()
+    (d / "smaps_rollup").write_text(
+        "00400000-7ffd [rollup]\nRss:  1000 kB\nPss:  400 kB\nShared_Clean: 500 kB\nShared_Dirty: 100 kB\n"
+        "Private_Clean: 150 kB\nPrivate_Dirty: 250 kB\n")
+    assert read_smaps_rollup(42, str(tmp_path)) == {
+        "rss_bytes": 1000 * 1024, "pss_bytes": 400 * 1024, "shared_bytes": 600 * 1024, "private_bytes": 400 * 1024}
+    assert read_smaps_rollup(43, str(tmp_path)) is None
+    assert read_smaps_rollup(os.getpid())["rss_bytes"] > 0
+
+
+def test_wire_carries_json_and_fds_and_rejects_garbage() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    try:
+        T.send_msg(a, {"t": "fork", "id": "x"}, [r])
+        msg, fds = T.recv_msg(b)
+        assert msg == {"t": "fork", "id": "x"} and len(fds) == 1
+        os.write(w, b"hi")
+        assert os.read(fds[0], 2) == b"hi"
+        os.close(fds[0])
+        socket.send_fds(a, [b"[1, 2]"], [r])
+        with pytest.raises(ValueError):
+            T.recv_msg(b)
+        a.close()
+        assert T.recv_msg(b) == (None, [])
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        b.close()
+
+
+def test_template_refuses_to_fork_with_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(T, "current_threads", lambda: ["python thread 'x' (tid 7, started by m)"])
+    tmpl = T.Template(T.TemplateSpec(node=0, generation=1, app="", app_dir="", preload="", control_fd=-1),
+                      socket.socket(), None)
+    reply = tmpl.handle({"t": "fork", "id": "1"}, [])
+    assert reply["t"] == "refused" and "'x'" in reply["reason"] and reply["threads"]
+    monkeypatch.setattr(T, "current_threads", lambda: [])
+    assert tmpl.handle({"t": "fork", "id": "2"}, [])["t"] == "error"  # malformed: no spec
+    assert tmpl.handle({"t": "what", "id": "3"}, [])["reason"].startswith("unknown request")
+    tmpl.sock.close()
+
+
+def _child(code: int, delay: float = 0.0) -> int:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(delay)
+        os._exit(code)
+    return pid
+
+
+def test_forked_process_handle_polls_waits_and_kills() -> None:
+    p = ForkedProcess(_child(7, 0.2))
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.01)
+    assert p.wait(5) == 7 and p.returncode == 7 and p.poll() == 7
+    q = ForkedProcess(_child(0, 30))
+    q.kill()
+    assert q.wait(5) == -signal.SIGKILL
+    q.kill()  # reaped: no signal to a pid that may be reused
+    gone = ForkedProcess(999_999_999)
+    assert gone.poll() == 255
+
+
+def test_reap_strays_reaps_only_unknown_zombies() -> None:
+    stray, kept = _child(3), _child(4)
+    time.sleep(0.2)
+    assert {stray, kept} <= set(child_pids())
+    reaped = reap_strays([kept])
+    assert (stray, 3) in reaped and all(pid != kept for pid, _ in reaped)
+    assert ForkedProcess(kept).wait(5) == 4
+
+
+def test_preload_runs_once_sync_or_async(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "hooks_t.py").write_text(
+        "CALLS = []\n"
+        "def load():\n    CALLS.append('sync')\n"
+        "async def aload():\n    CALLS.append('async')\n"
+        "def boom():\n    raise OSError('disk gone')\n"
+        "VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    mod = importlib.import_module("hooks_t")
+    assert run_preload("hooks_t:load") >= 0 and run_preload("hooks_t:load") == 0.0
+    run_preload("hooks_t:aload")
+    assert mod.CALLS == ["sync", "async"] and preload_done("hooks_t:load")
+    with pytest.raises(PreloadError, match="OSError: disk gone"):
+        run_preload("hooks_t:boom")
+    with pytest.raises(PreloadError, match="not a function"):
+        run_preload("hooks_t:VALUE")
+    with pytest.raises(PreloadError, match="no attribute"):
+        run_preload("hooks_t:missing")
+    with pytest.raises(PreloadError, match="importing preload module"):
+        run_preload("no_such_module_xyz:load")
+    with pytest.raises(PreloadError, match="expected 'module:function'"):
+        run_preload("justaname")
+
+
+def _cfg(tmp_path: Path, text: str):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return load_config(p, environ={})
+
+
+def test_worker_config_keys_are_typed_and_validated(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "")
+    assert cfg.worker.start == "fork" and cfg.worker.preload == ""
+    assert _cfg(tmp_path, '[worker]\nstart = "exec"\npreload = "m.n:load"\n').worker.start == "exec"
+    with pytest.raises(ConfigError, match=r'worker\.start = "spawn": expected one of "fork", "exec"'):
+        _cfg(tmp_path, '[worker]\nstart = "spawn"\n')
+    with pytest.raises(ConfigError, match=r"worker\.preload = \"not a ref\": expected module:function"):
+        _cfg(tmp_path, '[worker]\npreload = "not a ref"\n')
+    with pytest.raises(ConfigError, match=r"worker\.preload .*server\.app set"):
+        _cfg(tmp_path, '[server]\ncmd = "srv --fd {fd}"\n[worker]\npreload = "m:f"\n')
+    with pytest.raises(ConfigError, match="environment NUMASERVE_WORKER_START"):
+        load_config(tmp_path / "c.toml", environ={"NUMASERVE_WORKER_START": "clone"})
+
+
+def test_template_metrics_from_status() -> None:
+    from numaserve.supervisor.metrics import NumaserveCollector
+
+    snap = {"supervisor": {}, "slots": [], "templates": {"nodes": [
+        {"node": 1, "state": "ready", "generation": 2, "restarts": 1,
+         "memory": {"pss_bytes": 10, "shared_bytes": 5, "private_bytes": 3}},
+        {"node": 0, "state": "refused", "generation": 1, "restarts": 0, "memory": None}]}}
+    got = {(f.name, s.labels.get("node")): s.value for f in NumaserveCollector(lambda: snap).collect()
+           for s in f.samples if "template" in f.name}
+    assert got[("numaserve_template_ready", "1")] == 1.0 and got[("numaserve_template_ready", "0")] == 0.0
+    assert got[("numaserve_template_generation", "1")] == 2.0 and got[("numaserve_template_pss_bytes", "1")] == 10.0
+    assert ("numaserve_template_pss_bytes", "0") not in got
