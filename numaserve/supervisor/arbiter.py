@@ -707,10 +707,10 @@ class Supervisor:
     # ----------------------------------------------------------------- reload
 
     def _on_hup(self) -> None:
-        """SIGHUP is a ``reload`` ops request (trigger "sighup"): same path, same audit line as ``numaserve reload``."""
+        """SIGHUP is a ``reload`` ops request (trigger "SIGHUP", as before): same path, same audit line as ``numaserve reload``."""
         from numaserve.supervisor.ops import handle_ops_request
 
-        req = m.OpsRequest(verb="reload", args={"trigger": "sighup"}, id=f"sighup-{uuid.uuid4().hex[:8]}")
+        req = m.OpsRequest(verb="reload", args={"trigger": "SIGHUP"}, id=f"sighup-{uuid.uuid4().hex[:8]}")
         log.info("reload_requested", signal="SIGHUP", request=req.id)
         task = asyncio.get_running_loop().create_task(
             handle_ops_request(self, req, channel="signal", who={"signal": "SIGHUP"}), name="sighup")
