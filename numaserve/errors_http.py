@@ -16,9 +16,14 @@ code   type              when                                          connectio
 431    header_too_large  request line + headers over                   closed
                          server.max_header_bytes
 429    rate_limited      supervisor rate quota empty (+ Retry-After)   kept
-503    overloaded        admission queue full / shed (+ Retry-After);  kept; closed at
-                         server.max_connections reached                the connection
-                                                                       limit
+503    overloaded        admission queue full / shed (+ Retry-After);  closed when the
+                         server.max_connections reached                protocol sheds a
+                                                                       request before the
+                                                                       app (cpu limiter,
+                                                                       sentinel) and at
+                                                                       the connection
+                                                                       limit; kept from
+                                                                       the edge layer
 504    timeout           deadline (x-request-timeout / frame           kept
                          ``timeout``) passed before the response
 500    internal          the app raised or returned no response        kept (frames), as
