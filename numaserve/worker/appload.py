@@ -80,6 +80,24 @@ def _is_asgi3(app: Any) -> bool:
     return inspect.iscoroutinefunction(getattr(app, "__call__", None))
 
 
+def import_attr(module_name: str, attr_path: str, error: type[Exception], what: str = "") -> Any:
+    """``module_name`` imported and ``attr_path`` (dotted) looked up in it; any failure is
+    ``error`` with one line naming the exception (the app's or a hook's import may raise
+    anything, even SystemExit; only KeyboardInterrupt passes)."""
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise error(f"{describe_exception(e)} (importing {what}{module_name!r})") from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise error(f"AttributeError: module {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
 def load_app(ref: str, app_dir: str = "") -> Any:
     """Return the ASGI 3 callable named by ``ref`` ("" means the demo app).
 
@@ -100,18 +118,7 @@ def load_app(ref: str, app_dir: str = "") -> Any:
     if not sep or not module_name or not attr_path:
         raise AppLoadError(
             f"ValueError: bad app reference {ref!r}: expected 'module:attr' or 'module:factory()'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except BaseException as e:  # noqa: BLE001 - the app's import may raise anything, even SystemExit
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise AppLoadError(f"{describe_exception(e)} (importing {module_name!r})") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise AppLoadError(
-                f"AttributeError: module {module_name!r} has no attribute {attr_path!r}") from None
+    obj = import_attr(module_name, attr_path, AppLoadError)
     if call:
         try:
             obj = obj()

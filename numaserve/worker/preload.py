@@ -10,13 +10,12 @@ A failure is one line, like an app that does not import.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import re
 import time
 from typing import Any
 
-from numaserve.worker.appload import describe_exception
+from numaserve.worker.appload import describe_exception, import_attr
 
 __all__ = ["PRELOAD_RE", "PreloadError", "preload_done", "run_preload"]
 
@@ -45,17 +44,7 @@ def run_preload(ref: str) -> float:
         raise PreloadError(f"bad preload reference {ref!r}: expected 'module:function'")
     module_name, _, attr_path = ref.partition(":")
     t0 = time.monotonic()
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except BaseException as e:  # the hook's import may raise anything
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise PreloadError(f"{describe_exception(e)} (importing preload module {module_name!r})") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise PreloadError(f"AttributeError: module {module_name!r} has no attribute {attr_path!r}") from None
+    obj = import_attr(module_name, attr_path, PreloadError, "preload module ")
     if not callable(obj):
         raise PreloadError(f"TypeError: preload {ref!r} is a {type(obj).__name__}, not a function")
     try:
