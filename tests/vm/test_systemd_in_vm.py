@@ -49,9 +49,12 @@ mount --bind "$STAGE" /opt                 # this mount namespace only
 "$BASE_PYTHON" -m venv --without-pip /opt/numaserve
 mkdir -p /opt/numaserve-deps
 mount --bind "$DEPS" /opt/numaserve-deps
+mount -o remount,bind,ro /opt/numaserve-deps   # the host's site-packages: never written
 site=$(/opt/numaserve/bin/python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 echo /opt/numaserve-deps > "$site/numaserve-deps.pth"
-/opt/numaserve/bin/python3 -m pip install -q --no-deps --no-index --disable-pip-version-check "$WHEEL"
+# --ignore-installed: the host's own (editable) numaserve is visible through the .pth;
+# without it pip "upgrades" it, i.e. uninstalls it from the host's site-packages
+/opt/numaserve/bin/python3 -m pip install -q --no-deps --no-index --ignore-installed --disable-pip-version-check "$WHEEL"
 test -x /opt/numaserve/bin/numaserve
 """
 
