@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import structlog
 
@@ -54,7 +55,7 @@ class Operation:
     result: str = ""
     slots: list[int] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    on_finish: list[Callable[["Operation"], None]] = field(default_factory=list)
+    on_finish: list[Callable[[Operation], None]] = field(default_factory=list)
 
     def step(self, message: str, **fields: Any) -> None:
         entry = {"t": round(time.time() - self.started, 3), "message": message, **fields}
@@ -139,12 +140,25 @@ class Operations:
 
     async def replace_slot(self, op: Operation, slot: S.SlotState, timeout: float) -> None:
         """Make-before-break: new generation Ready on the same listener, then drain the old."""
+        drained = await self.switch_slot(op, slot, timeout)
+        if drained is not None:
+            await drained
+
+    async def switch_slot(self, op: Operation, slot: S.SlotState,
+                          timeout: float) -> Awaitable[None] | None:
+        """Start the slot's new generation, wait until it is Ready, switch to it, tell the old one to drain.
+
+        Returns the wait for the old worker's exit (None when there was none), so a roll can
+        start the next slot while this one's old worker finishes its in-flight requests: the
+        slot is never without a Ready worker, and the old one stops accepting only once its
+        replacement serves.
+        """
         ctl = self.ctl
         s = slot.plan.slot
         slot.operation = op.id
         if slot.drained:
             op.step(f"slot {s}: drained, left out of service", slot=s)
-            return
+            return None
         old = slot.worker
         now = time.monotonic()
         if old is None or slot.state != S.READY:
@@ -161,7 +175,7 @@ class Operations:
                 raise OperationFailed(f"slot {s}: could not spawn: {slot.last_restart_reason}")
             op.step(f"slot {s}: started generation {new.generation} (slot was {slot.state})", slot=s, pid=new.pid)
             await self._wait_ready(op, slot, new)
-            return
+            return None
         try:
             new = ctl.spawn_generation(slot, now)
         except (OSError, NumaserveError) as e:
@@ -179,9 +193,13 @@ class Operations:
         ctl.send_stop(slot, old, time.monotonic(), timeout, drain=True)
         op.step(f"slot {s}: generation {new.generation} ready; draining {old.generation}", slot=s,
                 old_pid=old.pid)
+        return self._wait_exit(op, slot, old, timeout + self.ctl.cfg.supervisor.stop_timeout + 5.0)
+
+    async def _wait_exit(self, op: Operation, slot: S.SlotState, old: S.WorkerProc, limit: float) -> None:
+        s = slot.plan.slot
         try:
-            await asyncio.wait_for(old.exit_evt.wait(), timeout + self.ctl.cfg.supervisor.stop_timeout + 5.0)
-        except asyncio.TimeoutError:
+            await asyncio.wait_for(old.exit_evt.wait(), limit)
+        except TimeoutError:
             raise OperationFailed(f"slot {s}: old worker pid {old.pid} did not exit") from None
         op.step(f"slot {s}: generation {old.generation} exited ({old.exit_cause})", slot=s)
 
@@ -190,7 +208,7 @@ class Operations:
         limit = ctl.cfg.supervisor.ready_timeout
         try:
             await asyncio.wait_for(new.ready_evt.wait(), limit + 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if new.ready is None or new.exit_code is not None:
             why = new.exit_cause or new.kill_reason or f"not ready within {limit:g}s"
@@ -239,7 +257,7 @@ class Operations:
             remaining = deadline - time.monotonic()
             try:
                 await asyncio.wait_for(w.exit_evt.wait(), max(0.05, remaining))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 inflight = w.stats.inflight if w.stats else None
                 left.append(f"slot {slot.plan.slot} pid {w.pid} ({inflight} in flight)")
         for slot in slots:
@@ -271,16 +289,38 @@ class Operations:
         return f"serving slots {[s.plan.slot for s in slots]}"
 
     async def roll(self, op: Operation, slots: list[S.SlotState], timeout: float, parallel: int) -> str:
-        """Replace slots ``parallel`` at a time; stop at the first failure."""
+        """Replace slots ``parallel`` at a time; stop at the first failure.
+
+        Overlapped: the next batch starts as soon as this batch's new workers are Ready and
+        their old ones were told to drain, not when the old ones have exited (draining costs
+        no capacity: the slot's new worker already serves).  At most ``parallel`` slots have
+        a replacement starting at once, and no slot's old worker stops accepting before its
+        own replacement is Ready.  The operation ends when every old worker has exited.
+        """
         done = 0
-        for i in range(0, len(slots), max(1, parallel)):
-            batch = slots[i:i + max(1, parallel)]
-            results = await asyncio.gather(*(self.replace_slot(op, s, timeout) for s in batch),
-                                           return_exceptions=True)
-            for r in results:
+        step = max(1, parallel)
+        exits: list[asyncio.Task[None]] = []
+        try:
+            for i in range(0, len(slots), step):
+                batch = slots[i:i + step]
+                results = await asyncio.gather(*(self.switch_slot(op, s, timeout) for s in batch),
+                                               return_exceptions=True)
+                failure: BaseException | None = None
+                for r in results:
+                    if isinstance(r, BaseException):
+                        failure = failure or r
+                    elif r is not None:
+                        exits.append(asyncio.ensure_future(r))
+                if failure is not None:
+                    if isinstance(failure, OperationFailed):
+                        raise OperationFailed(f"{failure} (replaced {done} of {len(slots)} slots before it)")
+                    raise failure
+                done += len(batch)
+            for r in await asyncio.gather(*exits, return_exceptions=True):
                 if isinstance(r, BaseException):
-                    if isinstance(r, OperationFailed):
-                        raise OperationFailed(f"{r} (replaced {done} of {len(slots)} slots before it)")
                     raise r
-            done += len(batch)
+        finally:
+            for t in exits:
+                if not t.done():
+                    t.cancel()  # a failed roll does not wait for the drains it started (they go on)
         return f"replaced {done} slot(s)"

@@ -24,6 +24,7 @@ import leaves the old templates in place and fails the reload with its reason.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -31,23 +32,34 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import structlog
 
-from numaserve.config import Config
 from numaserve.bind.launch import build_launch_argv
-from numaserve.net.listeners import Listener
 from numaserve.bind.placement import SlotPlan
+from numaserve.bind.workerenv import GPU_VENDORS, THREAD_POOL_VARS
+from numaserve.config import Config
+from numaserve.net.listeners import Listener
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.lifecycle import describe_exit
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV
-from numaserve.supervisor.workerproc import ForkedProcess, reap_strays, set_child_subreaper
+from numaserve.supervisor.workerproc import (
+    ForkedProcess,
+    reap_strays,
+    set_child_subreaper,
+)
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
-from numaserve.worker.template import TEMPLATE_SPEC_ENV, TemplateSpec, recv_msg, send_msg
-from numaserve.bind.workerenv import THREAD_POOL_VARS, GPU_VENDORS
+from numaserve.worker.template import (
+    TEMPLATE_SPEC_ENV,
+    TemplateSpec,
+    recv_msg,
+    send_msg,
+)
+from numaserve.worker.zygote import ZYGOTE_SPEC_ENV, ZygoteSpec
 
 __all__ = ["FORK_REPLY_TIMEOUT_S", "TemplateManager", "TemplateProc", "import_time_mismatch", "read_smaps_rollup"]
 
@@ -55,6 +67,10 @@ log = structlog.get_logger("numaserve.supervisor")
 
 #: A fork takes milliseconds; a template that does not answer in this long is treated as hung.
 FORK_REPLY_TIMEOUT_S = 3.0
+
+#: Nice steps a template generation (or zygote) imports at while workers serve on its node:
+#: the import then takes CPU the serving workers leave, instead of a fair share of theirs.
+BOOT_NICE = 10
 
 # Template states.
 STARTING = "starting"
@@ -73,7 +89,7 @@ def import_time_mismatch(template_env: Mapping[str, str], slot_env: Mapping[str,
 
     def matters(k: str) -> bool:
         return (k in THREAD_POOL_VARS or k in _GPU_VARS or k.startswith(("LD_", "MALLOC", "PYTHON"))) \
-            and k not in (SPEC_ENV, TEMPLATE_SPEC_ENV, TOKEN_FD_ENV)
+            and k not in (SPEC_ENV, TEMPLATE_SPEC_ENV, ZYGOTE_SPEC_ENV, TOKEN_FD_ENV)
 
     return sorted(k for k in keys if matters(k) and template_env.get(k) != slot_env.get(k))
 
@@ -121,6 +137,9 @@ class TemplateProc:
     exit_code: int | None = None
     retired: bool = False
     ready_evt: asyncio.Event = field(default_factory=asyncio.Event)
+    kind: str = "template"                 # or "zygote" (forks templates, never imports the app)
+    cwd: str = ""
+    forked_from: int | None = None         # the zygote's pid, when a zygote forked this template
 
     @property
     def pid(self) -> int:
@@ -140,6 +159,11 @@ class NodeTemplate:
     restarts: int = 0
     last_exit: str | None = None
     fallback_logged: str | None = None
+    zygote: TemplateProc | None = None
+    zygote_restart: RestartState | None = None
+    zygote_next: float | None = None
+    zygote_starts: int = 0
+    zygote_last_exit: str | None = None
 
 
 class TemplateManager:
@@ -184,7 +208,10 @@ class TemplateManager:
                 log.error("templates_disabled", reason=self.disabled_reason)
                 return
         for node, plans in sorted(self._group().items()):
-            self.nodes[node] = NodeTemplate(node=node, plans=plans, restart=RestartState(self.policy))
+            self.nodes[node] = NodeTemplate(node=node, plans=plans, restart=RestartState(self.policy),
+                                            zygote_restart=RestartState(self.policy))
+        zygotes = [z for nt in self.nodes.values() if (z := self._start_zygote(nt, self.sup.cfg)) is not None]
+        await self._wait_ready(zygotes, self.sup.cfg.supervisor.ready_timeout)
         started = []
         for nt in self.nodes.values():
             t = self._start_generation(nt, self.sup.cfg)
@@ -203,8 +230,8 @@ class TemplateManager:
                 log.error("template_failed", node=t.node, generation=t.generation, reason=t.reason,
                           fallback="exec")
 
-    def _start_generation(self, nt: NodeTemplate, cfg: Config) -> TemplateProc | None:
-        """Spawn a new template generation for ``nt`` (not made current: the caller decides)."""
+    def _node_env(self, nt: NodeTemplate, cfg: Config) -> tuple[dict[str, str], tuple[int, ...], SlotPlan]:
+        """The environment, CPUs and first plan a node's template (and zygote) starts with."""
         from numaserve.supervisor.spawn import numaserve_env, worker_env
 
         first = nt.plans[0]
@@ -215,44 +242,152 @@ class TemplateManager:
         env = worker_env(base, first, 0, None, extra)
         for k in ("NUMASERVE_SLOT", "NUMASERVE_GENERATION", TOKEN_FD_ENV):
             env.pop(k, None)
-        nt.generation += 1
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        spec = TemplateSpec(
-            node=nt.node, generation=nt.generation, app=cfg.server.app, app_dir=cfg.server.app_dir,
-            preload=cfg.worker.preload, control_fd=child.fileno(), log_level=cfg.log.level,
-            log_format=cfg.log.format, gc_freeze=cfg.allocator.gc_freeze,
-        )
+        return env, cpus, first
+
+    def _serving(self, nt: NodeTemplate) -> bool:
+        """Whether workers serve on this node now (a boot then runs at a lower priority)."""
+        return any(sl.worker is not None for sl in self.sup.slots.values() if sl.plan.node == nt.node)
+
+    def _spawn(self, nt: NodeTemplate, cfg: Config, kind: str, module: str, spec_var: str, spec_json: Any,
+               child: socket.socket, env: dict[str, str], cpus: tuple[int, ...], first: SlotPlan,
+               generation: int) -> TemplateProc | None:
+        """Exec a template or zygote through the trampoline, bound to the node."""
         launch_env = dict(env)
-        launch_env[TEMPLATE_SPEC_ENV] = spec.to_env()
+        launch_env[spec_var] = spec_json(child.fileno())
         # the words after the module are for ps(1) only (forked workers show them too)
         shown = [f"node={nt.node}", f"app={cfg.server.app or 'numaserve.apps.demo:app'}"]
-        argv = build_launch_argv([sys.executable, "-m", "numaserve.worker.template", *shown], cpus=cpus or None,
+        argv = build_launch_argv([sys.executable, "-m", module, *shown], cpus=cpus or None,
                                  mempolicy=first.mempolicy, nodes=first.memory_nodes, ppid=os.getpid())
         try:
             popen = subprocess.Popen(argv, pass_fds=[child.fileno()], env=launch_env, stdin=subprocess.DEVNULL,
                                      close_fds=True, process_group=0, cwd=cfg.server.app_dir or None)
         except OSError as e:
-            parent.close()
-            child.close()
-            log.error("template_spawn_failed", node=nt.node, error=str(e))
-            self._schedule_restart(nt, time.monotonic(), f"spawn failed: {e}")
+            log.error(f"{kind}_spawn_failed", node=nt.node, error=str(e))
             return None
-        finally:
-            if child.fileno() >= 0:
-                child.close()
         restore_child_nofile(popen.pid)
-        parent.setblocking(False)
-        t = TemplateProc(node=nt.node, generation=nt.generation, popen=popen, sock=parent, env=env,
+        return self._proc(nt, kind, popen, env, cpus, first, generation, cfg)
+
+    def _proc(self, nt: NodeTemplate, kind: str, popen: Any, env: dict[str, str], cpus: tuple[int, ...],
+              first: SlotPlan, generation: int, cfg: Config, sock: socket.socket | None = None,
+              forked_from: int | None = None) -> TemplateProc:
+        t = TemplateProc(node=nt.node, generation=generation, popen=popen, sock=sock, env=env,  # type: ignore[arg-type]
                          mempolicy=first.mempolicy, memory_nodes=tuple(first.memory_nodes), cpus=cpus,
-                         started=time.monotonic())
+                         started=time.monotonic(), kind=kind, cwd=cfg.server.app_dir or "",
+                         forked_from=forked_from)
+        return t
+
+    def _watch(self, t: TemplateProc, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        t.sock = sock
         try:
-            asyncio.get_running_loop().add_reader(parent.fileno(), self._on_readable, t)
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._on_readable, t)
         except RuntimeError:
             pass  # no loop (unit tests drive _drain by hand)
-        log.info("template_spawn", node=nt.node, generation=t.generation, pid=popen.pid, cpus=list(cpus),
+
+    def _start_zygote(self, nt: NodeTemplate, cfg: Config) -> TemplateProc | None:
+        """Exec the node's zygote (numaserve's worker stack imported, not the app)."""
+        env, cpus, first = self._node_env(nt, cfg)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        nice = BOOT_NICE if self._serving(nt) else 0
+        try:
+            z = self._spawn(nt, cfg, "zygote", "numaserve.worker.zygote", ZYGOTE_SPEC_ENV,
+                            lambda fd: ZygoteSpec(node=nt.node, control_fd=fd, log_level=cfg.log.level,
+                                                  log_format=cfg.log.format, gc_freeze=cfg.allocator.gc_freeze,
+                                                  boot_nice=nice).to_env(),
+                            child, env, cpus, first, 0)
+        finally:
+            child.close()
+        if z is None:
+            parent.close()
+            self._schedule_zygote(nt, time.monotonic(), "spawn failed")
+            return None
+        self._watch(z, parent)
+        nt.zygote = z
+        nt.zygote_starts += 1
+        log.info("zygote_spawn", node=nt.node, pid=z.pid, cpus=list(cpus), mempolicy=first.mempolicy)
+        return z
+
+    def zygote_mismatch(self, z: TemplateProc, env: Mapping[str, str], cpus: tuple[int, ...], first: SlotPlan,
+                        cwd: str) -> str | None:
+        """Why a template generation cannot be forked from zygote ``z`` (None: it can)."""
+        if z.state != READY:
+            return f"zygote is {z.state}"
+        if (z.cpus, z.mempolicy, z.memory_nodes) != (cpus, first.mempolicy, tuple(first.memory_nodes)):
+            return "CPUs or memory policy changed"
+        if z.cwd != cwd:
+            return "server.app_dir changed"
+        bad = import_time_mismatch(z.env, env)
+        return f"import-time variables changed ({', '.join(bad)})" if bad else None
+
+    def _start_generation(self, nt: NodeTemplate, cfg: Config) -> TemplateProc | None:
+        """Spawn a new template generation for ``nt`` (not made current: the caller decides).
+
+        Forked from the node's zygote when it is ready and matches (a reload then pays the
+        app's import only); exec'd otherwise, and a mismatched zygote is replaced for next time.
+        """
+        env, cpus, first = self._node_env(nt, cfg)
+        nt.generation += 1
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        nice = BOOT_NICE if self._serving(nt) else 0
+
+        def spec_json(fd: int) -> str:
+            return TemplateSpec(
+                node=nt.node, generation=nt.generation, app=cfg.server.app, app_dir=cfg.server.app_dir,
+                preload=cfg.worker.preload, control_fd=fd, log_level=cfg.log.level,
+                log_format=cfg.log.format, gc_freeze=cfg.allocator.gc_freeze, boot_nice=nice,
+            ).to_env()
+
+        t: TemplateProc | None = None
+        z = nt.zygote
+        why = "no zygote" + (f" ({nt.zygote_last_exit})" if nt.zygote_last_exit else "") if z is None else \
+            self.zygote_mismatch(z, env, cpus, first, cfg.server.app_dir or "")
+        try:
+            if z is not None and why is None:
+                t, why = self._fork_template(nt, z, cfg, json.loads(spec_json(-1)), env, cpus, first, child)
+            if t is None:
+                t = self._spawn(nt, cfg, "template", "numaserve.worker.template", TEMPLATE_SPEC_ENV, spec_json,
+                                child, env, cpus, first, nt.generation)
+        finally:
+            child.close()
+        if why is not None:
+            log.info("template_exec", node=nt.node, generation=nt.generation, reason=f"not forked from a zygote: {why}")
+        if z is not None and why is not None and z.state == READY:
+            self._retire(z, f"replaced: {why}")
+            nt.zygote = None
+        if nt.zygote is None and nt.zygote_next is None and not self.sup.stopping:
+            self._start_zygote(nt, cfg)  # ready for the next generation; not waited for
+        if t is None:
+            parent.close()
+            self._schedule_restart(nt, time.monotonic(), "spawn failed")
+            return None
+        self._watch(t, parent)
+        log.info("template_spawn", node=nt.node, generation=t.generation, pid=t.pid, cpus=list(cpus),
                  mempolicy=first.mempolicy, memory_nodes=list(first.memory_nodes),
-                 app=cfg.server.app or "numaserve.apps.demo:app", preload=cfg.worker.preload or None)
+                 app=cfg.server.app or "numaserve.apps.demo:app", preload=cfg.worker.preload or None,
+                 forked_from=t.forked_from)
         return t
+
+    def _fork_template(self, nt: NodeTemplate, z: TemplateProc, cfg: Config, spec: dict[str, Any],
+                       env: dict[str, str], cpus: tuple[int, ...], first: SlotPlan,
+                       child: socket.socket) -> tuple[TemplateProc | None, str | None]:
+        req = {"t": "template", "id": uuid.uuid4().hex[:12], "spec": spec, "env": env,
+               "cwd": cfg.server.app_dir or "", "reaper": os.getpid()}
+        msg, why = self._ask(z, req, [child.fileno()])
+        if msg is None:
+            return None, why
+        if msg.get("t") == "forked":
+            pid = int(msg["pid"])
+            z.forks += 1
+            restore_child_nofile(pid)
+            proc = ForkedProcess(pid, template_pid=z.pid, node=nt.node)
+            return self._proc(nt, "template", proc, env, cpus, first, nt.generation, cfg, forked_from=z.pid), None
+        if msg.get("t") == "refused":
+            z.state = REFUSED
+            z.threads = [str(x) for x in msg.get("threads") or []][:32]
+            z.reason = str(msg.get("reason"))[:500]
+            log.error("zygote_refused", node=nt.node, pid=z.pid, threads=z.threads, reason=z.reason)
+            return None, z.reason
+        return None, f"zygote: {msg.get('reason') or msg.get('t')}"
 
     async def _wait_ready(self, ts: Sequence[TemplateProc], timeout: float) -> None:
         waits = [t.ready_evt.wait() for t in ts if t.state == STARTING]
@@ -292,8 +427,8 @@ class TemplateManager:
                 t.threads = [str(x) for x in msg.get("threads") or []][:32]
                 if t.threads:
                     t.state = REFUSED
-                    t.reason = "the template has threads, forking it is unsafe: " + "; ".join(t.threads)
-                    log.error("fork_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
+                    t.reason = f"the {t.kind} has threads, forking it is unsafe: " + "; ".join(t.threads)
+                    log.error("fork_refused" if t.kind == "template" else "zygote_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
                               fallback="exec", reason=t.reason)
                     self._stop_refused(t)
                 else:
@@ -349,35 +484,31 @@ class TemplateManager:
                 nt.fallback_logged = key
         return None
 
-    def _request_fork(self, t: TemplateProc, plan: SlotPlan, spec: WorkerSpec, env: Mapping[str, str],
-                      listeners: Sequence[Listener], token: str) -> tuple[ForkedProcess | None, str | None]:
-        import msgspec
-
-        rid = uuid.uuid4().hex[:12]
-        req = {"t": "fork", "id": rid, "spec": msgspec.to_builtins(spec), "token": token, "env": dict(env),
-               "cpus": list(plan.cpus), "reaper": os.getpid()}
+    def _ask(self, t: TemplateProc, req: dict[str, Any], send_fds: Sequence[int]) -> tuple[dict[str, Any] | None, str]:
+        """One request to a template or zygote and its answer (blocking, bounded); (None, why) on failure."""
+        rid = req["id"]
         self._unwatch(t)
         t.sock.settimeout(FORK_REPLY_TIMEOUT_S)
         try:
-            send_msg(t.sock, req, [lst.fd for lst in listeners])
+            send_msg(t.sock, req, send_fds)
             deadline = time.monotonic() + FORK_REPLY_TIMEOUT_S
             while True:
                 msg, fds = recv_msg(t.sock)
                 for fd in fds:
                     os.close(fd)
                 if msg is None:
-                    return None, f"node {plan.node} template closed its channel"
+                    return None, f"node {t.node} {t.kind} closed its channel"
                 if msg.get("id") == rid:
-                    break
+                    return msg, ""
                 if time.monotonic() > deadline:
                     raise TimeoutError
-        except (TimeoutError, socket.timeout):
-            t.reason = f"did not answer a fork request within {FORK_REPLY_TIMEOUT_S:g}s"
-            log.error("template_hung", node=t.node, generation=t.generation, pid=t.pid, reason=t.reason)
+        except TimeoutError:
+            t.reason = f"did not answer a {req['t']} request within {FORK_REPLY_TIMEOUT_S:g}s"
+            log.error(f"{t.kind}_hung", node=t.node, generation=t.generation, pid=t.pid, reason=t.reason)
             self._kill(t)
-            return None, f"node {plan.node} template {t.reason}"
+            return None, f"node {t.node} {t.kind} {t.reason}"
         except (OSError, ValueError) as e:
-            return None, f"node {plan.node} template channel failed: {e}"
+            return None, f"node {t.node} {t.kind} channel failed: {e}"
         finally:
             if t.sock.fileno() >= 0:
                 t.sock.setblocking(False)
@@ -386,6 +517,17 @@ class TemplateManager:
                         asyncio.get_running_loop().add_reader(t.sock.fileno(), self._on_readable, t)
                     except RuntimeError:
                         pass
+
+    def _request_fork(self, t: TemplateProc, plan: SlotPlan, spec: WorkerSpec, env: Mapping[str, str],
+                      listeners: Sequence[Listener], token: str) -> tuple[ForkedProcess | None, str | None]:
+        import msgspec
+
+        rid = uuid.uuid4().hex[:12]
+        req = {"t": "fork", "id": rid, "spec": msgspec.to_builtins(spec), "token": token, "env": dict(env),
+               "cpus": list(plan.cpus), "reaper": os.getpid()}
+        msg, why = self._ask(t, req, [lst.fd for lst in listeners])
+        if msg is None:
+            return None, why
         kind = msg.get("t")
         if kind == "forked":
             pid = int(msg["pid"])
@@ -413,7 +555,7 @@ class TemplateManager:
             return
         try:
             self._tick(now, known_pids)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("templates_tick_failed")
 
     def _tick(self, now: float, known_pids: Sequence[int]) -> None:
@@ -422,6 +564,7 @@ class TemplateManager:
                 self.retired.remove(t)
                 self._close_sock(t)
         for nt in self.nodes.values():
+            self._tick_zygote(nt, now)
             t = nt.current
             if t is not None and t.state == REFUSED:
                 t.popen.poll()  # stopped on purpose (see _stop_refused): reaped, not respawned
@@ -449,9 +592,38 @@ class TemplateManager:
         if self.subreaper:
             workers = {w.pid for sl in self.sup.slots.values() for w in sl.workers()}
             known = set(known_pids) | workers | {nt.current.pid for nt in self.nodes.values() if nt.current} | \
-                {t.pid for t in self.retired}
+                {nt.zygote.pid for nt in self.nodes.values() if nt.zygote} | {t.pid for t in self.retired}
             for pid, code in reap_strays(known):
                 log.info("reaped_stray_child", pid=pid, exit=code)
+
+    def _tick_zygote(self, nt: NodeTemplate, now: float) -> None:
+        z = nt.zygote
+        if z is not None and z.popen.poll() is not None:
+            self._drain(z)
+            why = describe_exit(z.popen.returncode) if z.state != REFUSED else (z.reason or "refused")
+            nt.zygote = None
+            nt.zygote_last_exit = why
+            self._close_sock(z)
+            if not self.sup.stopping:
+                log.warning("zygote_exit", node=nt.node, pid=z.pid, exit=why,
+                            note="templates keep serving; the next generation is exec'd until it is back")
+                if z.state != REFUSED:
+                    self._schedule_zygote(nt, now, why, uptime=now - z.started)
+        elif z is None and nt.zygote_next is not None and now >= nt.zygote_next and not self.sup.stopping:
+            nt.zygote_next = None
+            self._start_zygote(nt, self.sup.cfg)
+        elif z is not None and z.state == READY and z.ready_at and now - z.ready_at > self.policy.reset_after \
+                and nt.zygote_restart is not None:
+            nt.zygote_restart.consecutive = 0
+
+    def _schedule_zygote(self, nt: NodeTemplate, now: float, why: str, uptime: float = 0.0) -> None:
+        if nt.zygote_restart is None:
+            nt.zygote_restart = RestartState(self.policy)
+        delay, looping = nt.zygote_restart.record_exit(now, uptime)
+        if looping:
+            delay = nt.zygote_restart.retry_delay()
+        nt.zygote_next = now + delay
+        log.info("zygote_backoff", node=nt.node, delay_s=round(delay, 3), reason=why, crash_loop=looping)
 
     def _schedule_restart(self, nt: NodeTemplate, now: float, why: str, uptime: float = 0.0) -> None:
         delay, looping = nt.restart.record_exit(now, uptime)
@@ -469,9 +641,10 @@ class TemplateManager:
         """
         if not self.wanted(cfg):
             for nt in self.nodes.values():
-                if nt.current is not None:
-                    self._retire(nt.current, "templates turned off by reload")
-                    nt.current = None
+                for t in (nt.current, nt.zygote):
+                    if t is not None:
+                        self._retire(t, "templates turned off by reload")
+                nt.current = nt.zygote = None
             self.nodes.clear()
             return None
         if not self.nodes:
@@ -502,7 +675,8 @@ class TemplateManager:
             nt.fallback_logged = None
             if op is not None and t is not None:
                 op.step(f"node {node}: template generation {t.generation} ready", pid=t.pid,
-                        import_s=t.import_s, preload_s=t.preload_s, fork=t.state == READY)
+                        import_s=t.import_s, preload_s=t.preload_s, fork=t.state == READY,
+                        started_by="zygote" if t.forked_from else "exec")
         return None
 
     def _stop_refused(self, t: TemplateProc) -> None:
@@ -543,7 +717,8 @@ class TemplateManager:
             pass
 
     def close(self) -> None:
-        ts = [nt.current for nt in self.nodes.values() if nt.current] + list(self.retired)
+        ts = [nt.current for nt in self.nodes.values() if nt.current] + \
+            [nt.zygote for nt in self.nodes.values() if nt.zygote] + list(self.retired)
         for t in ts:
             self._close_sock(t)
             if t.popen.poll() is None:
@@ -558,9 +733,11 @@ class TemplateManager:
                     t.popen.wait(2)
                 except subprocess.TimeoutExpired:
                     pass
+            except ChildProcessError:
+                pass
         self.retired.clear()
         for nt in self.nodes.values():
-            nt.current = None
+            nt.current = nt.zygote = None
 
     # ------------------------------------------------------------------ status
 
@@ -593,8 +770,26 @@ class TemplateManager:
                 "restarts": nt.restarts,
                 "last_exit": nt.last_exit,
                 "restart_in_s": round(max(0.0, nt.next_start - now), 3) if nt.next_start else None,
+                "started_by": ("zygote" if t.forked_from else "exec") if t else None,
+                "zygote": self._zygote_status(nt, now),
             })
         return out
+
+    def _zygote_status(self, nt: NodeTemplate, now: float) -> dict[str, Any]:
+        z = nt.zygote
+        running = bool(z and z.popen.poll() is None)
+        return {
+            "state": z.state if z else ("backoff" if nt.zygote_next else "none"),
+            "pid": z.pid if z else None,
+            "import_s": z.import_s if z else None,
+            "uptime_s": round(now - z.started, 3) if z else None,
+            "templates_forked": z.forks if z else 0,
+            "reason": z.reason if z else None,
+            "memory": read_smaps_rollup(z.pid) if z and running else None,
+            "running": running,
+            "starts": nt.zygote_starts,
+            "last_exit": nt.zygote_last_exit,
+        }
 
     @staticmethod
     def worker_start(popen: Any) -> dict[str, Any]:

@@ -46,16 +46,22 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterable, Mapping, NoReturn, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn
 
 __all__ = [
     "EXIT_TEMPLATE_FAILED",
     "TEMPLATE_SPEC_ENV",
     "THREAD_SUSPECTS",
     "TemplateSpec",
+    "await_reparent",
+    "can_restore_priority",
     "describe_threads",
+    "double_fork",
+    "lower_priority",
     "main",
     "recv_msg",
+    "run_template",
     "send_msg",
 ]
 
@@ -87,7 +93,7 @@ class TemplateSpec:
 
     def __init__(self, *, node: int, generation: int, app: str, app_dir: str, preload: str, control_fd: int,
                  log_level: str = "info", log_format: str = "json", gc_freeze: bool = True,
-                 preimport: Sequence[str] = ()) -> None:
+                 preimport: Sequence[str] = (), boot_nice: int = 0) -> None:
         self.node = node
         self.generation = generation
         self.app = app
@@ -98,12 +104,13 @@ class TemplateSpec:
         self.log_format = log_format
         self.gc_freeze = gc_freeze
         self.preimport = list(preimport)
+        self.boot_nice = int(boot_nice)
 
     def to_env(self) -> str:
         return json.dumps(self.__dict__)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TemplateSpec":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TemplateSpec:
         env = os.environ if environ is None else environ
         raw = env.get(TEMPLATE_SPEC_ENV)
         if not raw:
@@ -262,13 +269,22 @@ class Template:
         from numaserve.worker.preload import PreloadError, run_preload
 
         spec = self.spec
+        lowered = lower_priority(spec.boot_nice)
+        try:
+            return self._boot(load_app, remember_app, run_preload, (AppLoadError, PreloadError))
+        finally:
+            if lowered is not None:
+                os.setpriority(os.PRIO_PROCESS, 0, lowered)  # workers forked from here run at the usual priority
+
+    def _boot(self, load_app: Any, remember_app: Any, run_preload: Any, errors: tuple[type, ...]) -> bool:
+        spec = self.spec
         t0 = time.monotonic()
         try:
             app = load_app(spec.app, spec.app_dir)
             remember_app(spec.app, spec.app_dir, app)
             t1 = time.monotonic()
             preload_s = run_preload(spec.preload) if spec.preload else 0.0
-        except (AppLoadError, PreloadError) as e:
+        except errors as e:
             self.log.error("template_failed", node=spec.node, generation=spec.generation, reason=str(e),
                            exc_info=e.__cause__ is not None)
             send_msg(self.sock, {"t": "failed", "reason": f"app load failed: {e}"})
@@ -339,37 +355,106 @@ class Template:
 
     def _double_fork(self, spec: dict[str, Any], token: str, env: dict[str, str], cpus: list[int], reaper: int,
                      fds: list[int]) -> int:
-        r, w = os.pipe()
-        try:
-            mid = os.fork()
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            raise
-        if mid == 0:  # intermediate: fork the worker, tell its pid, vanish (the worker reparents)
-            code = 0
-            try:
-                os.close(r)
-                pid = os.fork()
-                if pid == 0:
-                    os.close(w)
-                    _worker_child(self.sock, spec, token, env, cpus, reaper, fds)
-                os.write(w, str(pid).encode())
-            except BaseException:  # noqa: BLE001 - never return into the template's loop
-                code = 1
-            finally:
-                os._exit(code)
+        return double_fork(lambda: _worker_child(self.sock, spec, token, env, cpus, reaper, fds))
+
+
+def double_fork(child: Callable[[], NoReturn]) -> int:
+    """Fork ``child`` as a grandchild and return its pid; the intermediate exits at once.
+
+    The grandchild reparents to the nearest child subreaper (the supervisor), which reaps it.
+    """
+    r, w = os.pipe()
+    try:
+        mid = os.fork()
+    except BaseException:
+        os.close(r)
         os.close(w)
+        raise
+    if mid == 0:  # intermediate: fork the child, tell its pid, vanish (the child reparents)
+        code = 0
         try:
-            data = b""
-            while chunk := os.read(r, 32):
-                data += chunk
-        finally:
             os.close(r)
-            os.waitpid(mid, 0)
-        if not data:
-            raise OSError(0, "the intermediate process failed before forking the worker")
-        return int(data)
+            pid = os.fork()
+            if pid == 0:
+                os.close(w)
+                child()
+            os.write(w, str(pid).encode())
+        except BaseException:  # noqa: BLE001 - never return into the forking process's loop
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        data = b""
+        while chunk := os.read(r, 32):
+            data += chunk
+    finally:
+        os.close(r)
+        os.waitpid(mid, 0)
+    if not data:
+        raise OSError(0, "the intermediate process failed before forking")
+    return int(data)
+
+
+def await_reparent(reaper: int) -> None:
+    """Wait until the supervisor (``reaper``) is our parent, then arm the parent-death signal.
+
+    Armed only then: armed earlier, the intermediate's exit would fire it.  Exits the
+    process when the supervisor never adopts us or died meanwhile.
+    """
+    deadline = time.monotonic() + REPARENT_TIMEOUT_S
+    while os.getppid() != reaper:  # the intermediate exits right after forking us
+        if time.monotonic() > deadline:
+            _say(f"not reparented to supervisor pid {reaper} (parent is {os.getppid()}); not starting")
+            os._exit(1)
+        time.sleep(0.0002)
+    from numaserve.bind.launch import set_pdeathsig
+
+    set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != reaper:  # the supervisor died between the check and prctl
+        os._exit(1)
+
+
+CAP_SYS_NICE = 23
+
+
+def can_restore_priority(nice: int, cap_eff: int, rlimit_nice: int) -> bool:
+    """Whether a process at ``nice`` that lowers its priority may raise it back (setpriority rules).
+
+    Raising priority needs CAP_SYS_NICE or an RLIMIT_NICE soft limit of at least ``20 - nice``.
+    """
+    return bool(cap_eff >> CAP_SYS_NICE & 1) or rlimit_nice >= 20 - nice
+
+
+def _cap_eff(proc: str = "/proc") -> int:
+    try:
+        with open(f"{proc}/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def lower_priority(by: int) -> int | None:
+    """Lower this process's CPU priority by ``by`` nice steps for a while; the nice value to restore.
+
+    None (nothing changed) when ``by`` is 0 or the priority could not be restored afterwards:
+    workers forked from a template must not inherit a lowered priority.
+    """
+    if by <= 0:
+        return None
+    import resource
+
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if not can_restore_priority(nice, _cap_eff(), resource.getrlimit(resource.RLIMIT_NICE)[0]):
+            return None
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, nice + by))
+    except OSError:
+        return None
+    return nice
 
 
 def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env: dict[str, str],
@@ -381,17 +466,7 @@ def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env
         os.setpgid(0, 0)  # its own process group, as an exec'd worker has
         if cpus:
             os.sched_setaffinity(0, cpus)  # before any thread exists: every thread inherits it
-        deadline = time.monotonic() + REPARENT_TIMEOUT_S
-        while os.getppid() != reaper:  # the intermediate exits right after forking us
-            if time.monotonic() > deadline:
-                _say(f"not reparented to supervisor pid {reaper} (parent is {os.getppid()}); not starting")
-                os._exit(1)
-            time.sleep(0.0002)
-        from numaserve.bind.launch import set_pdeathsig
-
-        set_pdeathsig(signal.SIGKILL)  # armed only now: our first parent (the intermediate) is gone
-        if os.getppid() != reaper:  # the supervisor died between the check and prctl
-            os._exit(1)
+        await_reparent(reaper)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         os.environ.clear()
@@ -436,6 +511,11 @@ def main() -> int:
         _say(f"bad template spec: {e}")
         return 1
     os.environ.pop(TEMPLATE_SPEC_ENV, None)  # forked workers get their own environment anyway
+    return run_template(spec)
+
+
+def run_template(spec: TemplateSpec) -> int:
+    """A template's life once it has its spec: exec'd (``main``) or forked by its node's zygote."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor orchestrates; Ctrl-C hits it
     from numaserve.log import configure_logging, get_logger
 

@@ -190,3 +190,34 @@ def test_template_metrics_from_status() -> None:
     assert got[("numaserve_template_ready", "1")] == 1.0 and got[("numaserve_template_ready", "0")] == 0.0
     assert got[("numaserve_template_generation", "1")] == 2.0 and got[("numaserve_template_pss_bytes", "1")] == 10.0
     assert ("numaserve_template_pss_bytes", "0") not in got
+
+
+def test_a_lowered_priority_is_only_taken_when_it_can_be_restored() -> None:
+    from numaserve.worker.template import CAP_SYS_NICE, can_restore_priority
+
+    assert can_restore_priority(0, 1 << CAP_SYS_NICE, 0)          # root-like: CAP_SYS_NICE
+    assert not can_restore_priority(0, 0, 0)                        # default RLIMIT_NICE 0: nice 0 is out of reach
+    assert can_restore_priority(0, 0, 20) and not can_restore_priority(0, 0, 19)
+    assert can_restore_priority(5, 0, 15)                           # back to nice 5 needs 20 - 5
+
+
+def test_lower_priority_restores_to_the_value_it_returns() -> None:
+    import os
+
+    from numaserve.worker.template import lower_priority
+
+    assert lower_priority(0) is None
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    pid = os.fork()
+    if pid == 0:  # in a child: the test process's own priority is never touched
+        code = 1
+        try:
+            was = lower_priority(10)
+            if was is None:
+                code = 0 if os.getpriority(os.PRIO_PROCESS, 0) == before else 2  # not restorable: unchanged
+            elif was == before and os.getpriority(os.PRIO_PROCESS, 0) == min(19, before + 10):
+                os.setpriority(os.PRIO_PROCESS, 0, was)
+                code = 0 if os.getpriority(os.PRIO_PROCESS, 0) == before else 3
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from slotfakes import FakeSlots, held_operation
 
+from numaserve.config import Config
 from numaserve.errors import NumaserveError
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.operations import Operation, Operations
@@ -160,5 +161,48 @@ def test_a_bug_in_a_body_fails_the_operation_not_the_caller() -> None:
         op.on_finish.append(lambda o: seen.append(o.state))
         await op.done.wait()
         assert op.state == "failed" and op.result == "internal error: KeyError: 'x'" and seen == ["failed"]
+
+    asyncio.run(main())
+
+
+def test_roll_starts_the_next_slot_while_the_previous_old_worker_drains() -> None:
+    async def main() -> None:
+        f = serving(3, exit_on_stop=False)
+        ops = Operations(f)
+        olds = {s: sl.worker for s, sl in f.slots.items()}
+        op = ops.start("reload", {}, [0, 1, 2], lambda op: ops.roll(op, list(f.slots.values()), 5.0, 1))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        # every slot switched to its Ready replacement, each old one told to drain only after that,
+        # while none of the old workers has exited yet
+        assert f.calls == [("spawn", 0, 2), ("mark_ready", 0), ("drain", 0, 1),
+                           ("spawn", 1, 2), ("mark_ready", 1), ("drain", 1, 1),
+                           ("spawn", 2, 2), ("mark_ready", 2), ("drain", 2, 1)]
+        assert op.state == "running"  # the operation ends when the old workers are gone
+        assert all(sl.state == S.READY and sl.worker.generation == 2 for sl in f.slots.values())
+        for s in (2, 0, 1):
+            f.exit(olds[s], 0)
+        await asyncio.wait_for(op.done.wait(), 5)
+        assert op.state == "succeeded", op.result
+        exited = [m["message"] for m in op.steps if m["message"].endswith("exited (exit 0)")]
+        assert sorted(exited) == [f"slot {s}: generation 1 exited (exit 0)" for s in range(3)]
+
+    asyncio.run(main())
+
+
+def test_roll_fails_when_an_old_worker_never_exits() -> None:
+    async def main() -> None:
+        cfg = Config()
+        cfg.supervisor.stop_timeout = 0.05
+        f = serving(2, exit_on_stop=False, cfg=cfg)
+        ops = Operations(f)
+        olds = {s: sl.worker for s, sl in f.slots.items()}
+        # the wait for an old worker is drain timeout + stop_timeout + 5 s: make it 0.15 s
+        op = ops.start("reload", {}, [0, 1], lambda op: ops.roll(op, list(f.slots.values()), -4.9, 1))
+        await asyncio.sleep(0.01)
+        f.exit(olds[1], 0)
+        await asyncio.wait_for(op.done.wait(), 5)
+        assert op.state == "failed" and op.result == f"slot 0: old worker pid {olds[0].pid} did not exit"
+        assert all(sl.worker.generation == 2 for sl in f.slots.values())  # both replacements serve
 
     asyncio.run(main())
