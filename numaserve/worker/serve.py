@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from typing import Any, Callable, Generator, Sequence
 
@@ -195,8 +196,48 @@ class WorkerServer(uvicorn.Server):
     """uvicorn.Server without signal handling, with a started hook and drain helpers."""
 
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
+        self._exit_evt = asyncio.Event()
         super().__init__(config)
         self._on_started = on_started
+
+    # uvicorn polls ``should_exit`` every 0.1 s; a drained worker should go at once (a roll waits
+    # for it), so setting it also wakes the main loop.
+    @property  # type: ignore[override]
+    def should_exit(self) -> bool:
+        return self._exit_evt.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit_evt.set()
+        else:
+            self._exit_evt.clear()
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            try:
+                await asyncio.wait_for(self._exit_evt.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, without its fixed 0.1 s wait when nothing is left to finish.
+
+        The drain (``numaserve.worker.main``) already waited for every connection and
+        request; with none left, the wait only delays the exit a roll is waiting for.
+        """
+        if self.server_state.connections or self.server_state.tasks:
+            await super().shutdown(sockets=sockets)
+            return
+        logging.getLogger("uvicorn.error").info("Shutting down")
+        for srv in getattr(self, "servers", None) or []:
+            srv.close()
+        for sock in sockets or []:
+            sock.close()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
