@@ -34,7 +34,19 @@ def template_lines(data: dict[str, Any], width: int, wrap: Callable[[list[str], 
             parts.append(f"restart in {t['restart_in_s']:.1f}s ({t.get('last_exit') or '?'})")
         elif t["state"] != "ready" and t.get("reason"):
             parts.append(str(t["reason"]))
+        if t.get("started_by"):
+            parts.append(f"started by {t['started_by']}")
         out += wrap(parts, width)
+        z = t.get("zygote")
+        if z and (z.get("pid") or z.get("state") != "none"):
+            zm = z.get("memory") or {}
+            zp = [f"node {t['node']} zygote", f"pid {z.get('pid') or '-'}", str(z.get("state")),
+                  f"templates {z.get('templates_forked', 0)}"]
+            if zm:
+                zp.append(f"pss {_mb(zm.get('pss_bytes'))} private {_mb(zm.get('private_bytes'))}")
+            if z.get("last_exit"):
+                zp.append(f"last exit {z['last_exit']}")
+            out += wrap(zp, width)
     if tm.get("nodes"):
         execd = [str(s["slot"]) for s in slots if (s.get("start") or {}).get("mode") == "exec"]
         if execd:

@@ -222,7 +222,9 @@ class TemplateManager:
         for t in started:
             nt = self.nodes[t.node]
             if t.state == STARTING:
-                self._retire(t, f"not ready within {self.sup.cfg.supervisor.ready_timeout:g}s")
+                code = t.popen.poll()
+                self._retire(t, describe_exit(code) + " before it was ready" if code is not None
+                             else f"not ready within {self.sup.cfg.supervisor.ready_timeout:g}s")
                 nt.current = None
                 nt.last_exit = t.reason
                 self._schedule_restart(nt, time.monotonic(), t.reason or "not ready")
@@ -255,7 +257,7 @@ class TemplateManager:
         launch_env = dict(env)
         launch_env[spec_var] = spec_json(child.fileno())
         # the words after the module are for ps(1) only (forked workers show them too)
-        shown = [f"node={nt.node}", f"app={cfg.server.app or 'numaserve.apps.demo:app'}"]
+        shown = [f"node={nt.node}"] + ([] if kind == "zygote" else [f"app={cfg.server.app or 'numaserve.apps.demo:app'}"])
         argv = build_launch_argv([sys.executable, "-m", module, *shown], cpus=cpus or None,
                                  mempolicy=first.mempolicy, nodes=first.memory_nodes, ppid=os.getpid())
         try:
@@ -272,7 +274,7 @@ class TemplateManager:
               forked_from: int | None = None) -> TemplateProc:
         t = TemplateProc(node=nt.node, generation=generation, popen=popen, sock=sock, env=env,  # type: ignore[arg-type]
                          mempolicy=first.mempolicy, memory_nodes=tuple(first.memory_nodes), cpus=cpus,
-                         started=time.monotonic(), kind=kind, cwd=cfg.server.app_dir or "",
+                         started=time.monotonic(), kind=kind, cwd=_cwd(cfg),
                          forked_from=forked_from)
         return t
 
@@ -340,7 +342,7 @@ class TemplateManager:
         t: TemplateProc | None = None
         z = nt.zygote
         why = "no zygote" + (f" ({nt.zygote_last_exit})" if nt.zygote_last_exit else "") if z is None else \
-            self.zygote_mismatch(z, env, cpus, first, cfg.server.app_dir or "")
+            self.zygote_mismatch(z, env, cpus, first, _cwd(cfg))
         try:
             if z is not None and why is None:
                 t, why = self._fork_template(nt, z, cfg, json.loads(spec_json(-1)), env, cpus, first, child)
@@ -371,7 +373,7 @@ class TemplateManager:
                        env: dict[str, str], cpus: tuple[int, ...], first: SlotPlan,
                        child: socket.socket) -> tuple[TemplateProc | None, str | None]:
         req = {"t": "template", "id": uuid.uuid4().hex[:12], "spec": spec, "env": env,
-               "cwd": cfg.server.app_dir or "", "reaper": os.getpid()}
+               "cwd": _cwd(cfg), "reaper": os.getpid()}
         msg, why = self._ask(z, req, [child.fileno()])
         if msg is None:
             return None, why
@@ -798,6 +800,11 @@ class TemplateManager:
             return {"mode": "fork", "template_pid": popen.template_pid,
                     "template_generation": popen.template_generation, "node": popen.node}
         return {"mode": "exec"}
+
+
+def _cwd(cfg: Config) -> str:
+    """The directory templates run in, absolute (a zygote forks them from its own, maybe other, cwd)."""
+    return os.path.abspath(cfg.server.app_dir) if cfg.server.app_dir else ""
 
 
 def _num(v: Any) -> float | None:

@@ -62,6 +62,7 @@ __all__ = [
     "main",
     "recv_msg",
     "run_template",
+    "set_comm",
     "send_msg",
 ]
 
@@ -415,6 +416,16 @@ def await_reparent(reaper: int) -> None:
         os._exit(1)
 
 
+def set_comm(name: str) -> None:
+    """Name this process for ps -o comm, top and /proc/PID/comm (15 bytes): forked processes
+    share their zygote's command line, so the name is what tells them apart."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 CAP_SYS_NICE = 23
 
 
@@ -464,6 +475,7 @@ def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env
     try:
         chan.close()
         os.setpgid(0, 0)  # its own process group, as an exec'd worker has
+        set_comm(f"ns-worker-{spec_obj.get('slot')}")
         if cpus:
             os.sched_setaffinity(0, cpus)  # before any thread exists: every thread inherits it
         await_reparent(reaper)
@@ -517,6 +529,7 @@ def main() -> int:
 def run_template(spec: TemplateSpec) -> int:
     """A template's life once it has its spec: exec'd (``main``) or forked by its node's zygote."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor orchestrates; Ctrl-C hits it
+    set_comm(f"ns-template-{spec.node}")
     from numaserve.log import configure_logging, get_logger
 
     configure_logging(spec.log_level, spec.log_format,

@@ -51,6 +51,7 @@ from numaserve.worker.template import (
     recv_msg,
     run_template,
     send_msg,
+    set_comm,
 )
 
 __all__ = ["ZYGOTE_SPEC_ENV", "Zygote", "ZygoteSpec", "main"]
@@ -180,7 +181,12 @@ def _template_child(chan: socket.socket, spec_obj: dict[str, Any], env: dict[str
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:  # noqa: BLE001
-        _say(f"forked template failed: {type(e).__name__}: {e}")
+        why = f"forked template failed: {type(e).__name__}: {e}"
+        _say(why)
+        try:  # the supervisor reads why on the template's own channel (it is not running yet)
+            send_msg(socket.socket(fileno=fd), {"t": "failed", "reason": why})
+        except OSError:
+            pass
         code = 1
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -199,6 +205,7 @@ def main() -> int:
         return 1
     os.environ.pop(ZYGOTE_SPEC_ENV, None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_comm(f"ns-zygote-{spec.node}")
     from numaserve.log import configure_logging, get_logger
 
     configure_logging(spec.log_level, spec.log_format, stream=sys.stderr, process=f"zygote-{spec.node}")

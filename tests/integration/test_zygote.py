@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import Running, http_get, pid_alive
+from tests.integration.harness import REPO, Running, http_get, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -65,9 +65,10 @@ def app(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path, marks
 
 
-def start(app_dir: Path) -> Running:
+def start(app_dir: Path, relative: bool = False) -> Running:
+    where = os.path.relpath(app_dir, REPO) if relative else str(app_dir)  # relative to the supervisor's cwd
     return Running(["--nodes", "0", "--bind", "127.0.0.1:0", "--workers-per-node", "2", "--app", "zygoteapp:app",
-                    "--app-dir", str(app_dir)])
+                    "--app-dir", where])
 
 
 def importers(marks: Path) -> set[int]:
@@ -76,7 +77,7 @@ def importers(marks: Path) -> set[int]:
 
 def test_templates_are_forked_from_a_zygote_that_never_imports_the_app(app: tuple[Path, Path]) -> None:
     app_dir, marks = app
-    with start(app_dir) as sup:
+    with start(app_dir, relative=True) as sup:
         st = sup.wait_for(forked_from_zygote, 30, "template forked from the zygote")
         n = node(st)
         z = n["zygote"]

@@ -221,3 +221,41 @@ def test_lower_priority_restores_to_the_value_it_returns() -> None:
         finally:
             os._exit(code)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def test_status_view_shows_the_template_generation_and_its_zygote() -> None:
+    from numaserve.cli.template_view import template_lines
+
+    data = {"slots": [{"slot": 0, "start": {"mode": "fork", "template_pid": 11}}, {"slot": 1, "start": {"mode": "exec"}}],
+            "templates": {"start": "fork", "nodes": [{
+                "node": 0, "pid": 11, "generation": 3, "state": "ready", "forks": 2, "import_s": 0.05,
+                "memory": {"pss_bytes": 10 << 20, "shared_bytes": 8 << 20, "private_bytes": 2 << 20},
+                "started_by": "zygote",
+                "zygote": {"pid": 7, "state": "ready", "templates_forked": 3, "last_exit": "SIGKILL",
+                           "memory": {"pss_bytes": 5 << 20, "private_bytes": 1 << 20}}}]}}
+    lines = template_lines(data, 200, lambda parts, width: [" ".join(parts)])
+    assert lines[0].startswith("node 0 template pid 11 gen 3 ready forks 2 import 0.05s")
+    assert lines[0].endswith("workers 0 started by zygote")
+    assert lines[1] == "node 0 zygote pid 7 ready templates 3 pss 5.0M private 1.0M last exit SIGKILL"
+    assert lines[2] == "exec'd (not forked): slots 1"
+
+
+def test_a_template_generation_is_forked_from_the_zygote_only_when_it_matches() -> None:
+    from types import SimpleNamespace
+
+    from numaserve.bind.placement import SlotPlan
+    from numaserve.supervisor.templates import READY, STARTING, TemplateManager, TemplateProc
+
+    tm = TemplateManager(SimpleNamespace())
+    plan = SlotPlan(slot=0, node=0, index=0, cpus=(0, 1), mempolicy="bind", memory_nodes=(0,))
+    env = {"PYTHONPATH": "/a", "OMP_NUM_THREADS": "2", "NUMASERVE_SLOT": "0"}
+    z = TemplateProc(node=0, generation=0, popen=None, sock=None, env=dict(env), mempolicy="bind",  # type: ignore[arg-type]
+                     memory_nodes=(0,), cpus=(0, 1), started=0.0, state=READY, kind="zygote", cwd="/app")
+    assert tm.zygote_mismatch(z, env, (0, 1), plan, "/app") is None
+    assert tm.zygote_mismatch(z, env, (0,), plan, "/app") == "CPUs or memory policy changed"
+    assert tm.zygote_mismatch(z, env, (0, 1), plan, "/other") == "server.app_dir changed"
+    assert tm.zygote_mismatch(z, dict(env, PYTHONPATH="/b"), (0, 1), plan, "/app") == \
+        "import-time variables changed (PYTHONPATH)"
+    assert tm.zygote_mismatch(z, dict(env, NUMASERVE_SLOT="1"), (0, 1), plan, "/app") is None
+    z.state = STARTING
+    assert tm.zygote_mismatch(z, env, (0, 1), plan, "/app") == "zygote is starting"
