@@ -33,6 +33,19 @@ _ROUTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio")
 _HANDLER_MARK = "_numaserve_handler"
 
 
+def _rich_traceback(sio: TextIO, exc_info: Any) -> None:
+    """A coloured traceback for a terminal (rich is imported here, not by every process at start)."""
+    try:
+        from rich.console import Console
+        from rich.traceback import Traceback
+    except ImportError:
+        structlog.dev.plain_traceback(sio, exc_info)
+        return
+    sio.write("\n")
+    Console(file=sio, color_system="truecolor", width=100).print(
+        Traceback.from_exception(*exc_info, show_locals=False))
+
+
 def _is_tty(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
@@ -120,11 +133,7 @@ def configure_logging(
         colors = tty and "NO_COLOR" not in os.environ
         renderer = structlog.dev.ConsoleRenderer(
             colors=colors,
-            exception_formatter=(
-                structlog.dev.RichTracebackFormatter(show_locals=False)
-                if colors
-                else structlog.dev.plain_traceback
-            ),
+            exception_formatter=_rich_traceback if colors else structlog.dev.plain_traceback,
         )
         final = [renderer]
 
