@@ -33,7 +33,7 @@ import psutil
 
 from benchlib import procs
 from benchlib.common import Ctx, summarize
-from benchlib.scen_resilience import WINDOW_S, _start_load, _windows, analyse
+from benchlib.scen_resilience import WINDOW_S, _count, _start_load, _windows, analyse
 from benchlib.servers import Server, ServerConfig, http_get
 
 POLL_S = 0.002
@@ -115,6 +115,14 @@ def reload_under_load(ctx: Ctx, kind: str, duration: float, baseline_s: float) -
     baseline = statistics.median(base) if base else 0.0
     a = analyse(run, t_reload - t0, None if t_done is None else t_done - t0, run.ended - t0 - 0.5, baseline)
     a.update(done_s=rel["done_s"], ok=rel["ok"], baseline_rps=round(baseline, 1), steps=rel.get("steps"))
+    # the same failures per second before the reload: admission that sheds under this load anyway
+    # is not the reload's doing (the reload window is its duration + 3 s, see ``analyse``)
+    b_from, b_to = 0.5, t_reload - t0
+    b_failed = sum(_count(run, c, b_from, b_to) for c in ("error", "503", "504", "429", "other"))
+    a["baseline_failed_per_s"] = round(b_failed / (b_to - b_from), 1) if b_to > b_from else None
+    window = (rel["done_s"] or 0.0) + 3.0
+    if a["baseline_failed_per_s"] is not None:
+        a["failed_beyond_baseline"] = round(a["failed"] - a["baseline_failed_per_s"] * window)
     return a
 
 
@@ -145,7 +153,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             r = reload_under_load(ctx, kind, duration, 2.0)
             reload_raw.setdefault(kind, []).append(r)
             ctx.log(f"warm rep {rep + 1} {kind:16} kill->serving {ks} | reload done {r['done_s']} s failed "
-                    f"{r['failed']} worst {r['worst_window_x_baseline']}")
+                    f"{r['failed']} (before it: {r.get('baseline_failed_per_s')}/s) worst "
+                    f"{r['worst_window_x_baseline']} steps {r.get('steps')}")
             for w in sizes:
                 m = memory_and_ready(kind, w)
                 mem_raw.setdefault((kind, w), []).append(m)
@@ -160,6 +169,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "reload_done_s": summarize(r["done_s"] for r in rel),
             "reload_failed": summarize(r["failed"] for r in rel),
             "reload_worst_window": summarize(r["worst_window_x_baseline"] for r in rel),
+            "reload_baseline_failed_per_s": summarize(r.get("baseline_failed_per_s") for r in rel),
+            "reload_failed_beyond_baseline": summarize(r.get("failed_beyond_baseline") for r in rel),
             "reload_runs": rel,
         }
         for w in sizes:
