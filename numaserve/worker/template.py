@@ -54,7 +54,10 @@ __all__ = [
     "TEMPLATE_SPEC_ENV",
     "THREAD_SUSPECTS",
     "TemplateSpec",
+    "EnvSpec",
+    "RequestLoop",
     "await_reparent",
+    "child_exit",
     "can_restore_priority",
     "describe_threads",
     "double_fork",
@@ -89,8 +92,29 @@ THREAD_SUSPECTS: dict[str, str] = {
 }
 
 
-class TemplateSpec:
+class EnvSpec:
+    """A start-up spec passed as JSON in one environment variable (``ENV``)."""
+
+    ENV = ""
+    WHAT = ""
+
+    def to_env(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Any:
+        env = os.environ if environ is None else environ
+        raw = env.get(cls.ENV)
+        if not raw:
+            raise RuntimeError(f"{cls.ENV} is not set: {cls.WHAT} are started by `numaserve start`")
+        return cls(**json.loads(raw))
+
+
+class TemplateSpec(EnvSpec):
     """What the supervisor tells a template at start (JSON in ``NUMASERVE_TEMPLATE_SPEC``)."""
+
+    ENV = TEMPLATE_SPEC_ENV
+    WHAT = "templates"
 
     def __init__(self, *, node: int, generation: int, app: str, app_dir: str, preload: str, control_fd: int,
                  log_level: str = "info", log_format: str = "json", gc_freeze: bool = True,
@@ -106,18 +130,6 @@ class TemplateSpec:
         self.gc_freeze = gc_freeze
         self.preimport = list(preimport)
         self.boot_nice = int(boot_nice)
-
-    def to_env(self) -> str:
-        return json.dumps(self.__dict__)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> TemplateSpec:
-        env = os.environ if environ is None else environ
-        raw = env.get(TEMPLATE_SPEC_ENV)
-        if not raw:
-            raise RuntimeError(f"{TEMPLATE_SPEC_ENV} is not set: templates are started by `numaserve start`")
-        data = json.loads(raw)
-        return cls(**data)
 
 
 # --- wire -----------------------------------------------------------------------
@@ -255,8 +267,46 @@ WORKER_MODULES = (
 )
 
 
-class Template:
+class RequestLoop:
+    """Answer the supervisor's requests on ``sock`` until it closes it (one thread, blocking I/O)."""
+
+    kind = ""
+    sock: socket.socket
+    log: Any
+
+    def handle(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def serve(self) -> int:
+        while True:
+            try:
+                msg, fds = recv_msg(self.sock)
+            except ValueError as e:
+                self.log.warning(f"{self.kind}_bad_request", error=str(e))
+                continue
+            except InterruptedError:
+                continue
+            except OSError as e:
+                self.log.error(f"{self.kind}_channel_failed", error=str(e))
+                return 1
+            if msg is None:
+                return 0  # the supervisor closed our channel (replaced us, or is gone)
+            try:
+                reply = self.handle(msg, fds)
+            finally:
+                for fd in fds:
+                    _close(fd)  # the child has its copies; ours would keep the listener alive
+            try:
+                send_msg(self.sock, reply)
+            except OSError as e:
+                self.log.error(f"{self.kind}_channel_failed", error=str(e))
+                return 1
+
+
+class Template(RequestLoop):
     """The template's state and its request loop (one thread, blocking I/O, by design)."""
+
+    kind = "template"
 
     def __init__(self, spec: TemplateSpec, sock: socket.socket, log: Any) -> None:
         self.spec = spec
@@ -301,32 +351,6 @@ class Template:
                       import_s=round(t1 - t0, 3), preload_s=round(preload_s, 3),
                       **({"threads": threads, "fork": "refused: the template has threads"} if threads else {}))
         return True
-
-    def serve(self) -> int:
-        """Answer fork requests until the supervisor closes the channel."""
-        while True:
-            try:
-                msg, fds = recv_msg(self.sock)
-            except ValueError as e:
-                self.log.warning("template_bad_request", error=str(e))
-                continue
-            except InterruptedError:
-                continue
-            except OSError as e:
-                self.log.error("template_channel_failed", error=str(e))
-                return 1
-            if msg is None:
-                return 0  # the supervisor closed our channel (replaced us, or is gone)
-            try:
-                reply = self.handle(msg, fds)
-            finally:
-                for fd in fds:
-                    _close(fd)  # the child has its copies; ours would keep the listener alive
-            try:
-                send_msg(self.sock, reply)
-            except OSError as e:
-                self.log.error("template_channel_failed", error=str(e))
-                return 1
 
     def handle(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         rid = msg.get("id")
@@ -500,12 +524,17 @@ def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env
         _say(f"forked worker failed: {type(e).__name__}: {e}")
         code = 1
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        os._exit(code)
+        child_exit(code)
+
+
+def child_exit(code: int) -> NoReturn:
+    """End a forked child: flush what it wrote, never run the parent's atexit/finally code."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 def _say(msg: str) -> None:

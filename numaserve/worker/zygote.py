@@ -30,25 +30,24 @@ runs the old copies (as the supervisor itself does) until a restart.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from numaserve.worker.template import (
     WORKER_MODULES,
+    EnvSpec,
+    RequestLoop,
     TemplateSpec,
-    _close,
     _preimport,
     _say,
     await_reparent,
+    child_exit,
     current_threads,
     double_fork,
-    recv_msg,
     run_template,
     send_msg,
     set_comm,
@@ -59,8 +58,11 @@ __all__ = ["ZYGOTE_SPEC_ENV", "Zygote", "ZygoteSpec", "main"]
 ZYGOTE_SPEC_ENV = "NUMASERVE_ZYGOTE_SPEC"
 
 
-class ZygoteSpec:
+class ZygoteSpec(EnvSpec):
     """What the supervisor tells a zygote at start (JSON in ``NUMASERVE_ZYGOTE_SPEC``)."""
+
+    ENV = ZYGOTE_SPEC_ENV
+    WHAT = "zygotes"
 
     def __init__(self, *, node: int, control_fd: int, log_level: str = "info", log_format: str = "json",
                  gc_freeze: bool = True, boot_nice: int = 0) -> None:
@@ -71,20 +73,11 @@ class ZygoteSpec:
         self.gc_freeze = gc_freeze
         self.boot_nice = int(boot_nice)
 
-    def to_env(self) -> str:
-        return json.dumps(self.__dict__)
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ZygoteSpec:
-        env = os.environ if environ is None else environ
-        raw = env.get(ZYGOTE_SPEC_ENV)
-        if not raw:
-            raise RuntimeError(f"{ZYGOTE_SPEC_ENV} is not set: zygotes are started by `numaserve start`")
-        return cls(**json.loads(raw))
-
-
-class Zygote:
+class Zygote(RequestLoop):
     """The zygote's request loop (one thread, blocking I/O, like a template's)."""
+
+    kind = "zygote"
 
     def __init__(self, spec: ZygoteSpec, sock: socket.socket, log: Any) -> None:
         self.spec = spec
@@ -110,32 +103,6 @@ class Zygote:
         send_msg(self.sock, {"t": "ready", "pid": os.getpid(), "import_s": import_s, "threads": threads})
         self.log.info("zygote_ready", node=self.spec.node, pid=os.getpid(), import_s=round(import_s, 3),
                       **({"threads": threads} if threads else {}))
-
-    def serve(self) -> int:
-        """Answer template requests until the supervisor closes the channel."""
-        while True:
-            try:
-                msg, fds = recv_msg(self.sock)
-            except ValueError as e:
-                self.log.warning("zygote_bad_request", error=str(e))
-                continue
-            except InterruptedError:
-                continue
-            except OSError as e:
-                self.log.error("zygote_channel_failed", error=str(e))
-                return 1
-            if msg is None:
-                return 0
-            try:
-                reply = self.handle(msg, fds)
-            finally:
-                for fd in fds:
-                    _close(fd)
-            try:
-                send_msg(self.sock, reply)
-            except OSError as e:
-                self.log.error("zygote_channel_failed", error=str(e))
-                return 1
 
     def handle(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         rid = msg.get("id")
@@ -189,12 +156,7 @@ def _template_child(chan: socket.socket, spec_obj: dict[str, Any], env: dict[str
             pass
         code = 1
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        os._exit(code)
+        child_exit(code)
 
 
 def main() -> int:
