@@ -81,6 +81,12 @@ def test_node1_workers_forked_from_a_node1_template_share_its_200mb_on_n1(node_c
         tobs = read_placement(t1["pid"])
         ok, problems = check_placement(tobs, cpus=list(node_cpus[1]), mempolicy="bind", nodes=[1], require_static=True)
         assert ok, problems
+        # forked from node 1's zygote, which is bound the same way (the template inherited it)
+        z1 = t1["zygote"]
+        assert t1["started_by"] == "zygote" and z1["state"] == "ready" and z1["pid"] != t1["pid"], t1
+        ok, problems = check_placement(read_placement(z1["pid"]), cpus=list(node_cpus[1]), mempolicy="bind",
+                                       nodes=[1], require_static=True)
+        assert ok, problems
         workers = [s for s in st["slots"] if s["node"] == 1]
         assert len(workers) == 2, st["slots"]
         n1_cpus = set(node_cpus[1])
