@@ -263,6 +263,7 @@ WORKER_MODULES = (
     "numaserve.worker.shedding", "numaserve.bind.verify", "numaserve.log",
     "uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl",
     "uvicorn.protocols.websockets.websockets_impl", "uvicorn.protocols.websockets.wsproto_impl",
+    "uvicorn.protocols.websockets.websockets_sansio_impl",
     "uvicorn.lifespan.on", "uvicorn.loops.uvloop", "uvloop", "httptools", "zmq", "zmq.asyncio",
 )
 
