@@ -36,6 +36,8 @@ __all__ = [
     "task_policy_token",
     "read_numa_maps",
     "read_placement",
+    "read_node_pages",
+    "PlacementReader",
     "expected_policy",
     "policy_matches",
     "check_placement",
@@ -197,6 +199,65 @@ def _status_fields(text: str) -> dict[str, str]:
 _GONE = (errno.ENOENT, errno.ESRCH)
 
 
+def _thread_status(tdir: str) -> dict[str, str] | None:
+    """A thread's ``status`` fields; None when it is gone or exiting (nothing to judge)."""
+    try:
+        st = _status_fields(_read(os.path.join(tdir, "status")))
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
+    if st.get("State", "").startswith(("Z", "X")):
+        return None  # exiting: its mm is gone, nothing to judge
+    return st
+
+
+_EMPTY = object()  # the thread's numa_maps was empty or gone: exiting (or a kernel thread)
+
+
+def _thread_policy(tdir: str, sample_bytes: int | None) -> "tuple[str | None, str | None] | object":
+    """(policy token, error) from the head of a thread's numa_maps; ``_EMPTY`` when there is none."""
+    try:
+        policy = task_policy_token(parse_numa_maps(_read(os.path.join(tdir, "numa_maps"), sample_bytes)))
+    except OSError as e:
+        if e.errno in _GONE:
+            return _EMPTY
+        return (None, e.strerror or str(e))
+    return _EMPTY if policy is None else (policy, None)
+
+
+def _list_tids(pdir: str, pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(os.path.join(pdir, "task")) if t.isdigit())
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone") from None
+
+
+def _thread(tid: int, st: dict[str, str], policy: str | None, perr: str | None) -> ThreadPlacement:
+    cpus = parse_list(st.get("Cpus_allowed_list", ""))
+    mems = parse_list(st["Mems_allowed_list"]) if "Mems_allowed_list" in st else None
+    return ThreadPlacement(tid, st.get("Name", "?"), cpus, policy, mems, perr)
+
+
+def read_node_pages(pid: int, proc_root: str = "/proc") -> tuple[dict[int, int], dict[int, int]]:
+    """(pages, bytes) per node over the whole ``/proc/PID/numa_maps`` ({} when unreadable).
+
+    The most expensive read here (the kernel walks every VMA's page tables):
+    callers that re-check often refresh it rarely (``PlacementReader``).
+    """
+    pages: dict[int, int] = {}
+    nbytes: dict[int, int] = {}
+    try:
+        for v in parse_numa_maps(_read(os.path.join(proc_root, str(pid), "numa_maps"))):
+            for n, c in v.pages.items():
+                pages[n] = pages.get(n, 0) + c
+                nbytes[n] = nbytes.get(n, 0) + c * v.page_size_kb * 1024
+    except OSError as e:
+        if e.errno not in _GONE + (errno.EACCES, errno.EPERM):
+            raise
+    return pages, nbytes
+
+
 def read_placement(pid: int, proc_root: str = "/proc", *, policy_sample_bytes: int | None = 65536) -> ObservedPlacement:
     """Every thread's CPUs and memory policy, and the process's pages per node.
 
@@ -204,48 +265,106 @@ def read_placement(pid: int, proc_root: str = "/proc", *, policy_sample_bytes: i
     when the process itself is gone.
     """
     pdir = os.path.join(proc_root, str(pid))
-    try:
-        tids = sorted(int(t) for t in os.listdir(os.path.join(pdir, "task")) if t.isdigit())
-    except FileNotFoundError:
-        raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone") from None
     threads = []
-    for tid in tids:
+    for tid in _list_tids(pdir, pid):
         tdir = os.path.join(pdir, "task", str(tid))
-        try:
-            st = _status_fields(_read(os.path.join(tdir, "status")))
-        except OSError as e:
-            if e.errno in _GONE:
-                continue
-            raise
-        if st.get("State", "").startswith(("Z", "X")):
-            continue  # exiting: its mm is gone, nothing to judge
-        cpus = parse_list(st.get("Cpus_allowed_list", ""))
-        mems = parse_list(st["Mems_allowed_list"]) if "Mems_allowed_list" in st else None
-        policy: str | None = None
-        perr: str | None = None
-        try:
-            vmas = parse_numa_maps(_read(os.path.join(tdir, "numa_maps"), policy_sample_bytes))
-            policy = task_policy_token(vmas)
-            if policy is None:
-                continue  # empty numa_maps: the thread is exiting (or a kernel thread)
-        except OSError as e:
-            if e.errno in _GONE:
-                continue
-            perr = e.strerror or str(e)
-        threads.append(ThreadPlacement(tid, st.get("Name", "?"), cpus, policy, mems, perr))
+        st = _thread_status(tdir)
+        if st is None:
+            continue
+        got = _thread_policy(tdir, policy_sample_bytes)
+        if got is _EMPTY:
+            continue
+        policy, perr = got  # type: ignore[misc]
+        threads.append(_thread(tid, st, policy, perr))
     if not threads and not os.path.isdir(pdir):
         raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone")
-    pages: dict[int, int] = {}
-    nbytes: dict[int, int] = {}
-    try:
-        for v in parse_numa_maps(_read(os.path.join(pdir, "numa_maps"))):
-            for n, c in v.pages.items():
-                pages[n] = pages.get(n, 0) + c
-                nbytes[n] = nbytes.get(n, 0) + c * v.page_size_kb * 1024
-    except OSError as e:
-        if e.errno not in _GONE + (errno.EACCES, errno.EPERM):
-            raise
+    pages, nbytes = read_node_pages(pid, proc_root)
     return ObservedPlacement(pid, tuple(threads), pages, nbytes)
+
+
+@dataclass
+class _Known:
+    """What a ``PlacementReader`` remembers of one process between checks."""
+
+    policies: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    pages: dict[int, int] = field(default_factory=dict)
+    nbytes: dict[int, int] = field(default_factory=dict)
+    checks: int = 0
+    turn: int = 0
+
+
+class PlacementReader:
+    """Re-checks of the same processes at a fraction of ``read_placement``'s cost.
+
+    Why: reading a thread's ``numa_maps`` makes the kernel walk page tables
+    (~0.4 ms per thread at 8 KB, ~1.7 ms for a worker's whole file), and the
+    supervisor re-checks every worker every ``verify_interval``.  What can
+    change between checks is read every time, cheaply: the thread list and
+    each thread's ``status`` (CPUs, cpuset mems).  A thread's memory policy
+    is read when the thread is first seen (a new thread starts with its
+    creator's policy, so a thread an app starts unbound shows up on the next
+    check); of the threads already known, one per check (in turn) has its
+    policy read again, so a policy changed later is found within as many
+    checks as the process has threads.  The process's pages per node
+    (the remote share) are read on the first check and then every
+    ``pages_every`` checks.  Unreadable policies are retried every check.
+    """
+
+    def __init__(self, proc_root: str = "/proc", *, first_sample_bytes: int | None = 65536,
+                 sample_bytes: int | None = 8192, pages_every: int = 10) -> None:
+        self.proc_root = proc_root
+        self.first_sample_bytes = first_sample_bytes
+        self.sample_bytes = sample_bytes
+        self.pages_every = max(1, pages_every)
+        self._known: dict[int, _Known] = {}
+        self.policy_reads = 0      # numa_maps reads done (for tests and benchmarks)
+        self.pages_reads = 0
+
+    def forget(self, keep: Iterable[int]) -> None:
+        """Drop what is remembered of every pid not in ``keep`` (exited workers)."""
+        live = set(keep)
+        for pid in [p for p in self._known if p not in live]:
+            del self._known[pid]
+
+    def read(self, pid: int, *, fresh: bool = False) -> ObservedPlacement:
+        """Like ``read_placement(pid)``; raises ProcessLookupError when the process is gone.
+
+        ``fresh``: forget what is known of ``pid`` first (a new process, maybe a reused pid).
+        """
+        known = None if fresh else self._known.get(pid)
+        first = known is None
+        if known is None:
+            known = self._known[pid] = _Known()
+        pdir = os.path.join(self.proc_root, str(pid))
+        tids = _list_tids(pdir, pid)
+        old = [t for t in tids if t in known.policies and known.policies[t][0] is not None]
+        again = old[known.turn % len(old)] if old and not first else None
+        known.turn += 1
+        threads = []
+        seen: dict[int, tuple[str | None, str | None]] = {}
+        for tid in tids:
+            tdir = os.path.join(pdir, "task", str(tid))
+            st = _thread_status(tdir)
+            if st is None:
+                continue
+            got: object = known.policies.get(tid)
+            if got is None or got[0] is None or tid == again:  # type: ignore[index]
+                self.policy_reads += 1
+                got = _thread_policy(tdir, self.first_sample_bytes if first else self.sample_bytes)
+                if got is _EMPTY:
+                    continue
+            policy, perr = got  # type: ignore[misc]
+            seen[tid] = (policy, perr)
+            threads.append(_thread(tid, st, policy, perr))
+        known.policies = seen   # threads that exited are forgotten
+        if not threads and not os.path.isdir(pdir):
+            del self._known[pid]
+            raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone")
+        if known.checks % self.pages_every == 0:
+            self.pages_reads += 1
+            known.pages, known.nbytes = read_node_pages(pid, self.proc_root)
+        known.checks += 1
+        return ObservedPlacement(pid, tuple(threads), dict(known.pages), dict(known.nbytes))
 
 
 # ------------------------------------------------------------------- judging

@@ -321,3 +321,87 @@ def test_check_self_in_a_bound_process() -> None:
     assert second == (
         "(False, ['runs on 1, expected 0', 'policy bind=static:0, expected prefer=static:0'], (1,), 'bind=static:0')"
     )
+
+
+# ------------------------------------------------------------ PlacementReader
+
+
+def _set_thread(root: Path, pid: int, tid: int, name: str, cpus: str, maps: str) -> None:
+    t = root / str(pid) / "task" / str(tid)
+    t.mkdir(parents=True, exist_ok=True)
+    (t / "status").write_text(f"Name:\t{name}\nState:\tS (sleeping)\nCpus_allowed_list:\t{cpus}\nMems_allowed_list:\t0-1\n")
+    (t / "numa_maps").write_text(maps)
+
+
+def test_reader_first_check_equals_a_full_read(tmp_path: Path) -> None:
+    make_proc(tmp_path, 42, {42: ("python3", "2-3", maps_with("bind=static:1")),
+                             43: ("ZMQbg/IO/0", "2", maps_with("bind=static:1"))}, PROCESS_MAPS)
+    reader = verify.PlacementReader(str(tmp_path))
+    assert reader.read(42) == read_placement(42, str(tmp_path))
+    assert (reader.policy_reads, reader.pages_reads) == (2, 1)
+
+
+def test_reader_rechecks_read_new_threads_cpus_and_one_known_policy(tmp_path: Path) -> None:
+    make_proc(tmp_path, 50, {50: ("main", "1", maps_with("bind=static:1")),
+                             51: ("io", "1", maps_with("bind=static:1"))}, PROCESS_MAPS)
+    reader = verify.PlacementReader(str(tmp_path), pages_every=3)
+    reader.read(50)
+    reader.policy_reads = 0
+    # a new thread started unbound, and an old one was moved to other CPUs
+    _set_thread(tmp_path, 50, 52, "late", "1", maps_with("default"))
+    _set_thread(tmp_path, 50, 51, "io", "0-1", maps_with("bind=static:1"))
+    obs = reader.read(50)
+    assert reader.policy_reads == 2          # the new thread + one known thread in turn
+    ok, problems = check_placement(obs, cpus=[1], mempolicy="bind", nodes=[1])
+    assert not ok
+    assert problems == ["thread 51 (io) runs on 0-1, expected 1",
+                        "thread 52 (late) policy default, expected bind=static:1"]
+    assert reader.pages_reads == 1           # pages per node: first check, then every 3rd
+    reader.read(50)
+    assert reader.pages_reads == 1
+    reader.read(50)
+    assert reader.pages_reads == 2
+
+
+def test_reader_finds_a_policy_changed_later_within_one_round(tmp_path: Path) -> None:
+    threads = {t: (f"t{t}", "1", maps_with("bind=static:1")) for t in (60, 61, 62)}
+    make_proc(tmp_path, 60, threads)
+    reader = verify.PlacementReader(str(tmp_path))
+    reader.read(60)
+    _set_thread(tmp_path, 60, 61, "t61", "1", maps_with("prefer:0"))
+    verdicts = [check_placement(reader.read(60), cpus=[1], mempolicy="bind", nodes=[1])[0] for _ in range(3)]
+    assert False in verdicts                 # each known thread's policy is re-read within 3 checks
+    assert check_placement(reader.read(60), cpus=[1], mempolicy="bind", nodes=[1]) == (
+        False, ["thread 61 (t61) policy prefer:0, expected bind=static:1"])
+
+
+def test_reader_fresh_and_forget_start_over(tmp_path: Path) -> None:
+    make_proc(tmp_path, 70, {70: ("main", "1", maps_with("bind=static:1"))})
+    reader = verify.PlacementReader(str(tmp_path))
+    reader.read(70)
+    _set_thread(tmp_path, 70, 70, "main", "1", maps_with("default"))   # a new process on a reused pid
+    assert reader.read(70, fresh=True).threads[0].policy == "default"
+    reader.forget([])
+    reader.policy_reads = 0
+    reader.read(70)
+    assert reader.policy_reads == 1
+
+
+def test_reader_retries_unreadable_policies_and_raises_for_a_gone_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_proc(tmp_path, 80, {80: ("main", "1", maps_with("bind=static:1"))})
+    real = verify._read
+    denied = {"on": True}
+
+    def deny(path: str, limit: int | None = None) -> str:
+        if denied["on"] and path.endswith("task/80/numa_maps"):
+            raise PermissionError(13, "Permission denied")
+        return real(path, limit)
+
+    monkeypatch.setattr(verify, "_read", deny)
+    reader = verify.PlacementReader(str(tmp_path))
+    assert reader.read(80).threads[0].policy is None
+    denied["on"] = False
+    assert reader.read(80).threads[0].policy == "bind=static:1"
+    with pytest.raises(ProcessLookupError):
+        reader.read(81)
