@@ -53,13 +53,6 @@ class Ready(Msg, kw_only=True):
     generation: int
 
 
-class Heartbeat(Msg, kw_only=True):
-    slot: int
-    generation: int
-    loop_lag: float  # seconds the event loop was late for this beat
-    mono: float      # worker's time.monotonic() when sent
-
-
 class Stats(Msg, kw_only=True):
     slot: int
     generation: int
@@ -74,6 +67,22 @@ class Stats(Msg, kw_only=True):
     draining: bool = False
     limits_epoch: int = 0
     extra: dict[str, Any] = {}
+
+
+class Heartbeat(Msg, kw_only=True):
+    """The worker's event loop is alive; with ``stats`` when they are due.
+
+    Carrying the stats on the beat makes one message per worker per interval
+    instead of two (the supervisor's idle cost grows with messages).  A
+    standalone ``Stats`` is still accepted (and sent when stats are due more
+    often than beats).  ``stats`` must name the beat's own slot/generation.
+    """
+
+    slot: int
+    generation: int
+    loop_lag: float  # seconds the event loop was late for this beat
+    mono: float      # worker's time.monotonic() when sent
+    stats: Stats | None = None
 
 
 class Ack(Msg, kw_only=True):

@@ -59,6 +59,16 @@ class WorkerMessageHandler:
             log.warning("control_message_refused", slot=n, reason=why, sender=peer.to_json() if peer else None,
                         refused_for_slot=self.rejected[n])
 
+    def _take_stats(self, w: S.WorkerProc, msg: m.Stats) -> bool:
+        problem = stats_problem(msg)
+        if problem:
+            self.count_bad("control", f"stats: {problem}")
+            return False
+        w.stats = msg
+        if msg.rss_bytes:
+            w.rss_bytes = msg.rss_bytes
+        return True
+
     def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None:
         """Apply a worker's message, if it comes from the process spawned for its slot/generation.
 
@@ -113,16 +123,16 @@ class WorkerMessageHandler:
                 return
             w.last_beat = now
             w.loop_lag = msg.loop_lag
+            if msg.stats is not None:   # stats riding on the beat: the beat stands even if they are refused
+                if (msg.stats.slot, msg.stats.generation) != (msg.slot, msg.generation):
+                    self.count_bad("control", f"heartbeat: stats for {msg.stats.slot}/{msg.stats.generation} "
+                                              f"on a beat of {msg.slot}/{msg.generation}")
+                else:
+                    self._take_stats(w, msg.stats)
             return
         if isinstance(msg, m.Stats):
-            problem = stats_problem(msg)
-            if problem:
-                self.count_bad("control", f"stats: {problem}")
-                return
-            w.last_beat = now
-            w.stats = msg
-            if msg.rss_bytes:
-                w.rss_bytes = msg.rss_bytes
+            if self._take_stats(w, msg):
+                w.last_beat = now
             return
         w.last_beat = now
         if isinstance(msg, m.Ready):

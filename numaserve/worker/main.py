@@ -115,6 +115,7 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopper: asyncio.Task[None] | None = None
         self._sentinel_start: Any = None  # starts the admission sentinel once serving
+        self._stats_in_beats = False      # set once serving (``_start_stats``)
 
     # --- actions (called by the dispatcher, SIGTERM, the orphan check) ---------
 
@@ -212,50 +213,71 @@ class Worker:
 
         ``loop_lag`` is measured against the time the beat was due, and the
         next due time is taken from the same clock reading, so a stall
-        anywhere in the cycle shows up in the next beat.
+        anywhere in the cycle shows up in the next beat.  Once serving, a
+        beat carries the stats when they are due (``_stats_in_beats``): one
+        message per worker per interval instead of two, which is most of the
+        supervisor's idle work with many workers.
         """
         interval = self.spec.heartbeat_interval
         spec = self.spec
         due = time.monotonic() + interval
+        last_stats = -1e18
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
             lag = max(0.0, now - due)
             due = now + interval
-            self._post(Heartbeat(slot=spec.slot, generation=spec.generation, loop_lag=lag, mono=now))
+            stats = None
+            if self._stats_in_beats and now - last_stats >= spec.stats_interval - interval / 2:
+                last_stats = now
+                try:
+                    stats = self._stats_message()
+                except Exception:  # noqa: BLE001 - a stats bug must not stop the beats (the hang detector)
+                    self.log.exception("stats_failed")
+            self._post(Heartbeat(slot=spec.slot, generation=spec.generation, loop_lag=lag, mono=now, stats=stats))
             if os.getppid() != self.ppid and not self.orphaned:
                 self.orphaned = True
                 self.log.error("supervisor_gone", ppid=self.ppid, now_ppid=os.getppid())
                 self.request_stop(min(spec.graceful_timeout, _ORPHAN_DEADLINE), "supervisor gone")
 
+    def _start_stats(self) -> None:
+        """Stats ride on the beats when they are due no more often; else their own loop."""
+        if self.spec.stats_interval >= self.spec.heartbeat_interval:
+            self._stats_in_beats = True
+        else:
+            self._spawn(self._stats_loop())
+
     async def _stats_loop(self) -> None:
-        spec = self.spec
         while True:
-            await asyncio.sleep(spec.stats_interval)
-            server = self.server
-            conns = server.connection_count if server is not None else 0
-            self.fdwatch.sample(conns)
-            snap = self.stats.snapshot(connections=conns)
-            extra = snap["extra"]
-            extra.update(self.fdwatch.extra())
-            if self.dispatcher is not None:
-                extra["control_bad_frames"] = self.dispatcher.bad_frames
-            if self.channel is not None:
-                extra["control_dropped"] = self.channel.dropped
-            extra.update(frame_stats())
-            if self.cache is not None:
-                extra.update(self.cache.stats())
-            if self.admission is not None:
-                gate = self.admission.snapshot()
-                extra["admission"] = gate
-                snap["queued"] = gate["queued"]
-                snap["shed"] = sum(gate["shed"].values())
-                for code, n in (gate.get("unserved_by_status") or {}).items():  # answered by the protocol/sentinel
-                    cls = f"{code[0]}xx"
-                    snap["status_classes"][cls] = snap["status_classes"].get(cls, 0) + n
-                    snap["requests"] += n
-                snap["limits_epoch"] = gate["epoch"]
-            self._post(Stats(slot=spec.slot, generation=spec.generation, **snap))
+            await asyncio.sleep(self.spec.stats_interval)
+            self._post(self._stats_message())
+
+    def _stats_message(self) -> Stats:
+        spec = self.spec
+        server = self.server
+        conns = server.connection_count if server is not None else 0
+        self.fdwatch.sample(conns)
+        snap = self.stats.snapshot(connections=conns)
+        extra = snap["extra"]
+        extra.update(self.fdwatch.extra())
+        if self.dispatcher is not None:
+            extra["control_bad_frames"] = self.dispatcher.bad_frames
+        if self.channel is not None:
+            extra["control_dropped"] = self.channel.dropped
+        extra.update(frame_stats())
+        if self.cache is not None:
+            extra.update(self.cache.stats())
+        if self.admission is not None:
+            gate = self.admission.snapshot()
+            extra["admission"] = gate
+            snap["queued"] = gate["queued"]
+            snap["shed"] = sum(gate["shed"].values())
+            for code, n in (gate.get("unserved_by_status") or {}).items():  # answered by the protocol/sentinel
+                cls = f"{code[0]}xx"
+                snap["status_classes"][cls] = snap["status_classes"].get(cls, 0) + n
+                snap["requests"] += n
+            snap["limits_epoch"] = gate["epoch"]
+        return Stats(slot=spec.slot, generation=spec.generation, **snap)
 
     async def _recv_loop(self) -> None:
         assert self.channel is not None and self.dispatcher is not None
@@ -367,7 +389,7 @@ class Worker:
             for s in socks:
                 s.close()
             return EXIT_OK, self._stop_reason or "stopped"
-        self._spawn(self._stats_loop())
+        self._start_stats()
         try:
             await self.server.serve(sockets=socks)
         except SystemExit as e:  # uvicorn's sys.exit(STARTUP_FAILURE) on lifespan failure

@@ -94,6 +94,7 @@ class FakeSupervisor:
         self.router.bind(self.endpoint)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.backlog: list[tuple[bytes, Any]] = []
+        self.pending: list[tuple[bytes, Any]] = []
 
     @property
     def url(self) -> str:
@@ -124,9 +125,15 @@ class FakeSupervisor:
         return "\n".join(p.read_text(errors="replace") for p in sorted(Path(self.dir).glob("*.log")))
 
     def recv(self, timeout: float) -> tuple[bytes, Any] | None:
+        """Next message; stats riding on a beat come next, as the Stats they are."""
+        if self.pending:
+            return self.pending.pop(0)
         if self.router.poll(int(timeout * 1000)):
             frames = self.router.recv_multipart()
-            return frames[0], decode_from_worker(frames[-1])
+            msg = decode_from_worker(frames[-1])
+            if isinstance(msg, Heartbeat) and msg.stats is not None:
+                self.pending.append((frames[0], msg.stats))
+            return frames[0], msg
         return None
 
     def expect(self, kind: type, timeout: float = 10.0, pid: int | None = None,
@@ -255,6 +262,22 @@ def test_lifecycle_http_heartbeats_stats_stop_and_queued_connection_survives(sup
     assert data.startswith(b"HTTP/1.1 200"), data
     assert data.endswith(b"ok")
     assert proc2.pid != proc.pid
+
+
+def test_stats_ride_on_the_beats(sup: FakeSupervisor) -> None:
+    """Stats due as often as beats: one message per interval (the beat carries them), none standalone."""
+    proc, _ = sup.start_ready()
+    raw = []
+    end = time.monotonic() + 10
+    while len(raw) < 6 and time.monotonic() < end:
+        if sup.router.poll(1000):
+            frames = sup.router.recv_multipart()
+            if frames[0].endswith(f":{proc.pid}".encode()):
+                raw.append(decode_from_worker(frames[-1]))
+    assert len(raw) == 6 and all(isinstance(x, Heartbeat) for x in raw), [type(x).__name__ for x in raw]
+    carried = [x.stats for x in raw if x.stats is not None]
+    assert len(carried) >= 5, "a beat every interval should carry the stats"
+    assert all(st.slot == 0 and st.generation == 1 and st.rss_bytes > 0 for st in carried)
 
 
 def test_sigstop_stops_heartbeats(sup: FakeSupervisor) -> None:

@@ -234,6 +234,38 @@ def test_a_verified_hello_then_nan_stats_are_refused(tmp_path: Path, caught: _Ex
         close(sup)
 
 
+def test_stats_riding_on_a_beat_are_checked_and_the_beat_stands(tmp_path: Path, caught: _Exceptions) -> None:
+    """One message per interval: a Heartbeat carries the Stats; bad or foreign stats are refused, the beat kept."""
+    sup = make_supervisor(tmp_path)
+    try:
+        async def go() -> None:
+            hello = m.Hello(slot=0, generation=1, pid=NO_SUCH_PID, token="t" * 32)
+            cp.on_control_frames(sup, [b"me", m.encode(hello)])
+            w = sup.slots[0].worker
+            assert w is not None and w.identity == b"me"
+            bad = sup.bad_messages
+            nan_stats = m.Stats(slot=0, generation=1, requests=1, inflight=0, latency_ms={"p50": math.nan})
+            foreign = m.Stats(slot=1, generation=1, requests=9, inflight=0)
+            for stats in (nan_stats, foreign):
+                w.last_beat = 0.0
+                cp.on_control_frames(sup, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.25,
+                                                                      mono=1.0, stats=stats))])
+                assert w.last_beat > 0.0 and w.loop_lag == 0.25 and w.stats is None
+            assert sup.bad_messages == bad + 2
+            good = m.Stats(slot=0, generation=1, requests=7, inflight=2, rss_bytes=4096)
+            cp.on_control_frames(sup, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=2.0,
+                                                                  stats=good))])
+            assert w.stats == good and w.rss_bytes == 4096 and w.loop_lag == 0.0
+            assert sup.bad_messages == bad + 2
+            for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                t.cancel()
+
+        asyncio.run(go())
+        assert caught.caught == []
+    finally:
+        close(sup)
+
+
 def test_protocol_mismatch_signals_only_a_verified_worker(tmp_path: Path) -> None:
     from numaserve.control.peercred import PeerCred
 
