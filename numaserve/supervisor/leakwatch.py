@@ -2,7 +2,8 @@
 and recycle leaking workers through the readiness-gated rolling path.
 
 Per worker: RSS (``/proc/PID/statm``) every tick (~1 s) and USS/PSS
-(``/proc/PID/smaps_rollup``) every ``leak.uss_interval_s``, with the worker's
+(``/proc/PID/smaps_rollup``) every ``leak.uss_interval_s`` while RSS moves
+(every 6 intervals while it is flat), with the worker's
 request count from its Stats, go to a ``LeakDetector`` (robust slope,
 significance, persistence, no plateau).  A ``suspect`` verdict first asks the
 worker to ``trim`` (gc.collect + malloc_trim) and re-measures; a confirmed
@@ -32,6 +33,9 @@ from numaserve.supervisor.slotcontrol import SlotControl
 from numaserve.supervisor.slots import SlotState, WorkerProc
 
 log = structlog.get_logger("numaserve.leak")
+
+USS_RSS_MOVED = 1 << 20   # bytes of RSS change since the last USS read that make it due at the interval
+USS_FLAT_FACTOR = 6       # with RSS flat, USS is read every this many intervals
 
 
 def read_statm_rss(pid: int) -> int | None:
@@ -75,6 +79,7 @@ class Watched:
     generation: int
     pid: int
     last_uss: float = 0.0
+    uss_rss: int = 0          # RSS when USS was last read
     uss: int | None = None
     pss: int | None = None
     verdict: Verdict | None = None
@@ -117,10 +122,10 @@ class LeakWatch:
             wd = self.watched.get(slot.plan.slot)
             if wd is None or wd.generation != w.generation:
                 wd = self._start(slot, w, now)
-            if now - wd.last_uss >= self.settings.uss_interval_s:
+            if self._uss_due(wd, rss, now):
                 roll = read_smaps_rollup(w.pid)
                 wd.uss, wd.pss = roll.get("Uss"), roll.get("Pss")
-                wd.last_uss = now
+                wd.last_uss, wd.uss_rss = now, rss
             if not self.settings.enabled or w.ready is None or w.stop_sent is not None:
                 continue
             requests = w.stats.requests if w.stats else 0
@@ -128,6 +133,22 @@ class LeakWatch:
             if wd.trimming or wd.recycling or not wd.detector.due(now):
                 continue
             self._judge(slot, w, wd, wd.detector.evaluate(now), now)
+
+    def _uss_due(self, wd: Watched, rss: int, now: float) -> bool:
+        """Every ``uss_interval_s`` while RSS moves; while it is flat, every ``USS_FLAT_FACTOR`` intervals.
+
+        Why: ``smaps_rollup`` makes the kernel walk every page table of the
+        worker (~0.6 ms each; with 32 idle workers it was the largest part of
+        the supervisor's idle CPU).  Memory a worker allocates shows in RSS
+        (read every tick), so a flat RSS means USS can have moved only by
+        pages changing between shared and private (copy-on-write of template
+        pages, a sibling's exit): the stale-cap still samples those.
+        """
+        since = now - wd.last_uss
+        interval = self.settings.uss_interval_s
+        if since < interval:
+            return False
+        return wd.uss is None or abs(rss - wd.uss_rss) >= USS_RSS_MOVED or since >= interval * USS_FLAT_FACTOR
 
     def _start(self, slot: "SlotState", w: "WorkerProc", now: float) -> Watched:
         det = LeakDetector(self.settings, now, budget_bytes=self._budget(),

@@ -140,3 +140,24 @@ def test_a_recycle_is_deferred_while_another_operation_runs(rss: dict[int, int])
         await other.done.wait()
 
     asyncio.run(main())
+
+
+def test_uss_is_read_at_the_interval_while_rss_moves_and_rarely_while_flat(
+        rss: dict[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[float] = []
+    monkeypatch.setattr(LW, "read_smaps_rollup", lambda pid: reads.append(now[0]) or {"Uss": 1, "Pss": 1})
+    f = serving(1, cfg=leak_cfg(uss_interval_s=10.0))
+    lw = LeakWatch(f, Operations(f))
+    w = f.slots[0].worker
+    rss[w.pid] = 50 << 20
+    now = [0.0]
+    for t in range(10, 131):                       # flat RSS: the first read, then every 60 s
+        now[0] = float(t)
+        lw.tick(now[0])
+    assert reads == [10.0, 70.0, 130.0]
+    reads.clear()
+    for t in range(131, 171):                      # RSS growing: back to every 10 s
+        now[0] = float(t)
+        rss[w.pid] += 256 << 10
+        lw.tick(now[0])
+    assert reads == [140.0, 150.0, 160.0, 170.0]
