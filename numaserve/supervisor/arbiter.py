@@ -25,7 +25,7 @@ import os
 import signal
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import structlog
 import zmq
@@ -529,6 +529,10 @@ class Supervisor:
     async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]:
         return await self.channel.broadcast_one(w, name, args, timeout=timeout)
+
+    async def command_each(self, targets: Sequence[tuple[int, S.WorkerProc, dict[str, Any]]], name: str, *,
+                           timeout: float = 5.0) -> list[dict[str, Any]]:
+        return await self.channel.command_each(targets, name, timeout=timeout)
 
     def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
         self.channel.send_command(w, name, args)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -20,7 +21,14 @@ from numaserve.control import messages as m
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S
 
-__all__ = ["WorkerChannel"]
+__all__ = ["RECV_BATCH", "WorkerChannel"]
+
+log = structlog.get_logger("numaserve.supervisor")
+
+#: Messages taken from the socket per wake-up before yielding to the event loop:
+#: a burst (32 Acks of one command) costs one pass, not 32, and the supervision
+#: loop still runs between batches.
+RECV_BATCH = 64
 
 
 class WorkerChannel:
@@ -31,10 +39,43 @@ class WorkerChannel:
         # settings every worker must have (cache version, limits ...): replayed to
         # each new worker right after its Hello, so it starts at the current epoch
         self.sticky: dict[str, dict[str, Any]] = {}
+        self._sync: zmq.Socket | None = None
+        self._sync_of: zmq.asyncio.Socket | None = None
 
     async def serve(self, handler: cp.WorkerMessages) -> None:
+        """Receive worker messages for good: one awaited, then what else is queued (up to a batch), then a yield."""
+        sock = self.sock
+        assert sock is not None
+        sync = self._sync_sock()
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                log.warning("control_recv_error", error=str(e))
+                await asyncio.sleep(0.05)
+                continue
+            cp.on_control_frames(handler, frames)
+            for _ in range(RECV_BATCH - 1):
+                try:
+                    frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError:   # EAGAIN: queue empty (the awaited recv re-checks before it waits)
+                    break
+                cp.on_control_frames(handler, frames)
+            await asyncio.sleep(0)
+
+    def _sync_sock(self) -> zmq.Socket:
+        """The same libzmq socket without the asyncio layer, for sends and receives that never wait.
+
+        After using it, ``self.sock.get(zmq.EVENTS)`` lets the asyncio layer see
+        events the direct calls consumed (libzmq's fd is edge-triggered).
+        """
         assert self.sock is not None
-        await cp.serve_control(handler, self.sock)
+        if self._sync is None or self._sync_of is not self.sock:
+            self._sync = zmq.Socket.shadow(self.sock.underlying)
+            self._sync_of = self.sock
+        return self._sync
 
     def resolve(self, ack: m.Ack) -> None:
         """An Ack arrived: wake whoever waits for it (late or unknown Acks are dropped)."""
@@ -81,6 +122,50 @@ class WorkerChannel:
         cmd = m.Command(id=f"{name}-{uuid.uuid4().hex[:8]}", name=name, args=args)
         asyncio.get_running_loop().create_task(self._send(w, cmd))
 
+    async def command_each(self, targets: Sequence[tuple[int, S.WorkerProc, dict[str, Any]]], name: str, *,
+                           timeout: float = 5.0) -> list[dict[str, Any]]:
+        """``Command(name, args)`` to each (slot, worker, args) at once; every Ack awaited together.
+
+        One command id, all sends done without yielding, then one wait: the
+        fan-out to 32 workers costs one pass of the loop, not 32 tasks with a
+        timer each.  Returns per target, in order: ok, detail (a worker that
+        does not answer within ``timeout`` is reported, not waited for).
+        """
+        cid = uuid.uuid4().hex[:12]
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[m.Ack] | None] = []
+        sync = self._sync_sock() if self.sock is not None else None
+        for slot, w, args in targets:
+            if w.identity is None or sync is None:
+                futs.append(None)
+                continue
+            fut: asyncio.Future[m.Ack] = loop.create_future()
+            key = (cid, slot, w.generation)
+            self._acks[key] = fut
+            try:
+                sync.send_multipart([w.identity, m.encode(m.Command(id=cid, name=name, args=args))], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._acks.pop(key, None)
+                fut = None  # type: ignore[assignment]
+            futs.append(fut)
+        if self.sock is not None:
+            self.sock.get(zmq.EVENTS)   # what the direct sends consumed, for the asyncio layer
+        pending = [f for f in futs if f is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        out: list[dict[str, Any]] = []
+        for (slot, w, _), fut in zip(targets, futs):
+            self._acks.pop((cid, slot, w.generation), None)
+            if fut is None:
+                out.append({"ok": False, "detail": "not sent: the worker has no control connection"})
+            elif fut.done() and not fut.cancelled():
+                ack = fut.result()
+                out.append({"ok": ack.ok, "detail": ack.detail})
+            else:
+                fut.cancel()
+                out.append({"ok": False, "detail": f"no ack within {timeout:g}s"})
+        return out
+
     async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
                         sticky: bool = False) -> dict[str, Any]:
         """Send ``Command(name, args)`` to every live worker and wait for each Ack.
@@ -91,28 +176,14 @@ class WorkerChannel:
         """
         if sticky:
             self.sticky[name] = dict(args)
-        cid = uuid.uuid4().hex[:12]
-        loop = asyncio.get_running_loop()
-        waits: list[tuple[S.SlotState, S.WorkerProc, asyncio.Future[m.Ack]]] = []
+        targets: list[tuple[int, S.WorkerProc, dict[str, Any]]] = []
+        keys: list[str] = []
         for slot in self.slots.values():
             for w in (slot.worker, slot.incoming):
                 if w is None or w.identity is None or w.external or w.popen.poll() is not None:
                     continue
-                fut: asyncio.Future[m.Ack] = loop.create_future()
-                self._acks[(cid, slot.plan.slot, w.generation)] = fut
-                await self._send(w, m.Command(id=cid, name=name, args=args))
-                waits.append((slot, w, fut))
-        results: dict[str, Any] = {}
-        if waits:
-            await asyncio.wait([f for _, _, f in waits], timeout=timeout)
-        for slot, w, fut in waits:
-            self._acks.pop((cid, slot.plan.slot, w.generation), None)
-            key = str(slot.plan.slot) if w is slot.worker else f"{slot.plan.slot}/incoming"
-            if fut.done():
-                ack = fut.result()
-                results[key] = {"pid": w.pid, "generation": w.generation, "ok": ack.ok, "detail": ack.detail}
-            else:
-                fut.cancel()
-                results[key] = {"pid": w.pid, "generation": w.generation, "ok": False,
-                                "detail": f"no ack within {timeout:g}s"}
-        return results
+                targets.append((slot.plan.slot, w, args))
+                keys.append(str(slot.plan.slot) if w is slot.worker else f"{slot.plan.slot}/incoming")
+        results = await self.command_each(targets, name, timeout=timeout)
+        return {key: {"pid": w.pid, "generation": w.generation, **res}
+                for key, (_, w, _), res in zip(keys, targets, results)}

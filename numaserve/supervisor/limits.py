@@ -12,7 +12,6 @@ A new worker gets its slot's current limits right after its Hello.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -203,7 +202,7 @@ class LimitsManager:
         The operator's ``ratelimit set`` returns when each worker has applied
         the new epoch (or says which did not answer), not a stats report later.
         """
-        waits: list[tuple[int, Any, Any]] = []
+        waits: list[tuple[int, Any, dict[str, Any]]] = []
         for slot in slots:
             args = self.args_for(slot)
             st = self.ctl.slots.get(slot)
@@ -211,8 +210,8 @@ class LimitsManager:
                 continue
             for w in (st.worker, st.incoming):
                 if w is not None and w.identity is not None and not w.external and w.popen.poll() is None:
-                    waits.append((slot, w, self.ctl.broadcast_one(w, "set_limits", args, timeout=timeout)))
-        results = await asyncio.gather(*(c for _, _, c in waits)) if waits else []
+                    waits.append((slot, w, args))
+        results = await self.ctl.command_each(waits, "set_limits", timeout=timeout) if waits else []
         out: dict[str, Any] = {}
         for (slot, w, _), res in zip(waits, results):
             key = str(slot) if w is self.ctl.slots[slot].worker else f"{slot}/incoming"

@@ -11,7 +11,7 @@ steer) go through these verbs, so the supervisor keeps its bookkeeping
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from numaserve.config import Config
 from numaserve.supervisor.slots import SlotState, WorkerProc
@@ -27,6 +27,9 @@ class WorkerChannel(Protocol):
 
     async def broadcast_one(self, w: WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]: ...
+
+    async def command_each(self, targets: Sequence[tuple[int, WorkerProc, dict[str, Any]]], name: str, *,
+                           timeout: float = 5.0) -> list[dict[str, Any]]: ...
 
     def send_command(self, w: WorkerProc, name: str, args: dict[str, Any]) -> None: ...
 

@@ -148,6 +148,9 @@ class FakeSlots:
         self.sent.append((w.pid, name, args))
         return self.acks.get(name, {"ok": True, "detail": ""})
 
+    async def command_each(self, targets: Any, name: str, *, timeout: float = 5.0) -> list[dict[str, Any]]:
+        return [await self.broadcast_one(w, name, args, timeout=timeout) for _, w, args in targets]
+
     def send_command(self, w: S.WorkerProc, name: str, args: dict[str, Any]) -> None:
         self.sent.append((w.pid, name, args))
 
