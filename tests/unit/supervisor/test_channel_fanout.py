@@ -1,0 +1,110 @@
+"""The worker channel's fan-out on real ZeroMQ sockets: one pass of sends, every Ack awaited together."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from numaserve.control import messages as m
+from numaserve.supervisor.channel import RECV_BATCH, WorkerChannel
+
+
+class Handler:
+    def __init__(self, channel: WorkerChannel) -> None:
+        self.channel = channel
+        self.seen: list[Any] = []
+        self.bad = 0
+
+    def count_bad(self, channel: str, why: str) -> None:
+        self.bad += 1
+
+    def handle_worker_msg(self, identity: bytes, msg: Any, peer: Any = None) -> None:
+        self.seen.append(msg)
+        if isinstance(msg, m.Ack):
+            self.channel.resolve(msg)
+
+
+def test_command_each_collects_every_ack_and_reports_the_silent_and_the_unconnected() -> None:
+    async def main() -> None:
+        d = tempfile.mkdtemp(prefix="nsc-")
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(f"ipc://{Path(d) / 'c.sock'}")
+        channel = WorkerChannel({})
+        channel.sock = router
+        handler = Handler(channel)
+        serve = asyncio.create_task(channel.serve(handler))
+        dealers = []
+        for i in range(5):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, f"w{i}".encode())
+            s.connect(f"ipc://{Path(d) / 'c.sock'}")
+            dealers.append(s)
+        # a first message from each worker, so the ROUTER knows the identities
+        for s in dealers:
+            await s.send(m.encode(m.Ready(slot=0, generation=1)))
+        while len(handler.seen) < 5:
+            await asyncio.sleep(0.01)
+
+        async def answer(i: int, s: zmq.asyncio.Socket) -> None:
+            cmd = m.decode_from_supervisor(await s.recv())
+            assert isinstance(cmd, m.Command) and cmd.args == {"n": i}
+            if i != 3:  # worker 3 stays silent
+                await s.send(m.encode(m.Ack(slot=i, generation=1, ref=cmd.id, detail=f"did {i}")))
+
+        answers = [asyncio.create_task(answer(i, s)) for i, s in enumerate(dealers)]
+        workers = [SimpleNamespace(identity=f"w{i}".encode(), generation=1) for i in range(5)]
+        workers.append(SimpleNamespace(identity=None, generation=1))     # no Hello yet
+        targets = [(i, w, {"n": i}) for i, w in enumerate(workers)]
+        res = await channel.command_each(targets, "set_limits", timeout=0.5)
+        assert [r["ok"] for r in res] == [True, True, True, False, True, False]
+        assert res[0]["detail"] == "did 0" and res[3]["detail"] == "no ack within 0.5s"
+        assert res[5]["detail"].startswith("not sent")
+        assert channel._acks == {}                        # nothing left waiting
+        await asyncio.gather(*answers)
+        serve.cancel()
+        for s in dealers:
+            s.close(0)
+        router.close(0)
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+    asyncio.run(main())
+
+
+def test_a_burst_is_taken_in_batches_and_nothing_is_lost() -> None:
+    async def main() -> None:
+        d = tempfile.mkdtemp(prefix="nsc-")
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(f"ipc://{Path(d) / 'c.sock'}")
+        channel = WorkerChannel({})
+        channel.sock = router
+        handler = Handler(channel)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"ipc://{Path(d) / 'c.sock'}")
+        n = RECV_BATCH * 3 + 5
+        for i in range(n):
+            await dealer.send(m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=float(i))))
+        await asyncio.sleep(0.2)          # all queued before the loop starts
+        serve = asyncio.create_task(channel.serve(handler))
+        while len(handler.seen) < n:
+            await asyncio.sleep(0.01)
+        assert [x.mono for x in handler.seen] == [float(i) for i in range(n)]
+        await dealer.send(b"\x00garbage")  # after a drained burst, the awaited receive still wakes
+        while handler.bad < 1:
+            await asyncio.sleep(0.01)
+        serve.cancel()
+        dealer.close(0)
+        router.close(0)
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+    asyncio.run(main())
