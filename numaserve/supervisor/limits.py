@@ -101,7 +101,11 @@ class LimitsManager:
         delta: dict[str, Any] = {}
         for k, v in cur.items():
             if isinstance(v, list):
-                pb = list(prev.get(k) or []) + [0] * max(0, len(v) - len(prev.get(k) or []))
+                pv = prev.get(k) or []
+                if v == pv:   # an idle worker: nothing new in any bucket (compared in C, not per bucket)
+                    delta[k] = [0] * len(v)
+                    continue
+                pb = list(pv) + [0] * max(0, len(v) - len(pv))
                 delta[k] = [max(0, a - b) for a, b in zip(v, pb)]
             else:
                 delta[k] = v - prev.get(k, 0)
