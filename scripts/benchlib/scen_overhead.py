@@ -32,6 +32,11 @@ from benchlib.common import Ctx, summarize
 from benchlib.servers import Server, ServerConfig
 
 
+#: Pause between pushes: each is 3 ops requests (show, set, show), and the supervisor
+#: refuses more than 50 requests/s per client (burst 100) once pushes take ~10 ms.
+PUSH_GAP_S = 0.08
+
+
 def _tree_rss_mb(pid: int) -> float:
     total = 0
     for p in [psutil.Process(pid), *procs.descendants(pid)]:
@@ -82,6 +87,7 @@ def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
                 dt, n = control_latency(srv, 8 + i % 8, workers)
                 ctl.append(dt)
                 acks.append(n)
+                time.sleep(PUSH_GAP_S)
             srv.ops("ratelimit_auto", {}, timeout=10.0)
         return {
             "workers": workers,
