@@ -31,15 +31,20 @@ class Handler:
             self.channel.resolve(msg)
 
 
+def _bound() -> tuple[str, zmq.asyncio.Context, zmq.asyncio.Socket, WorkerChannel, Handler]:
+    """A private dir, a ROUTER bound in it, the channel on that socket, and its message handler."""
+    d = tempfile.mkdtemp(prefix="nsc-")
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{Path(d) / 'c.sock'}")
+    channel = WorkerChannel({})
+    channel.sock = router
+    return d, ctx, router, channel, Handler(channel)
+
+
 def test_command_each_collects_every_ack_and_reports_the_silent_and_the_unconnected() -> None:
     async def main() -> None:
-        d = tempfile.mkdtemp(prefix="nsc-")
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.bind(f"ipc://{Path(d) / 'c.sock'}")
-        channel = WorkerChannel({})
-        channel.sock = router
-        handler = Handler(channel)
+        d, ctx, router, channel, handler = _bound()
         serve = asyncio.create_task(channel.serve(handler))
         dealers = []
         for i in range(5):
@@ -81,13 +86,7 @@ def test_command_each_collects_every_ack_and_reports_the_silent_and_the_unconnec
 
 def test_a_burst_is_taken_in_batches_and_nothing_is_lost() -> None:
     async def main() -> None:
-        d = tempfile.mkdtemp(prefix="nsc-")
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.bind(f"ipc://{Path(d) / 'c.sock'}")
-        channel = WorkerChannel({})
-        channel.sock = router
-        handler = Handler(channel)
+        d, ctx, router, channel, handler = _bound()
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(f"ipc://{Path(d) / 'c.sock'}")
         n = RECV_BATCH * 3 + 5
