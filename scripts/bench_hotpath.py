@@ -15,9 +15,10 @@ Python/C work of each layer, and differences between stacks are what each
 layer costs.  ``sse`` stacks stream ``--chunks`` chunks per request and
 report CPU per chunk.
 
-The layers are added one at a time, the way the worker stacked them before
-the edge assembly (``numaserve.worker.edge``), and then the assembly itself:
-that is the "hot path" table in docs/benchmarks.md.
+Stacks: uvicorn's own protocol (proxy headers on, its default, and off), the
+worker numaserve assembles (``numaserve.worker.edge.build_stack``, defaults)
+and the same worker with admission off (what the gate costs): the "hot path"
+table in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ def stacks(sse_chunks: int) -> dict[str, Callable[[], tuple[type, Any, Any]]]:
     """name -> factory of (protocol class, uvicorn config, server state)."""
     from benchapp import app as bench_app
 
+    import msgspec
+
     from numaserve.worker.spec import WorkerSpec
 
     sse = asyncio.run(sse_app_wrap(bench_app, sse_chunks))
@@ -178,6 +181,11 @@ def stacks(sse_chunks: int) -> dict[str, Callable[[], tuple[type, Any, Any]]]:
         spec = WorkerSpec(slot=0, node=0, generation=1, cpus=[0], node_cpus=[0, 1], mempolicy="local",
                           memory_nodes=[0], fd=-1, control="inproc://x")
         out["numaserve worker (edge assembly, defaults)"] = lambda: assemble_for_bench(spec, sse)
+        from numaserve.loops.admission import AdmissionSettings
+
+        off = msgspec.structs.replace(spec, admission=AdmissionSettings(enabled=False))
+        # what the admission gate costs: the same worker with it off (an A/B, not a configuration to run)
+        out["numaserve worker, [admission] enabled = false"] = lambda: assemble_for_bench(off, sse)
     return out
 
 

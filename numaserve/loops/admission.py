@@ -274,6 +274,10 @@ class PushedLimits:
     def lease_expired(self, now: float) -> bool:
         return self._lease_expiry is not None and now > self._lease_expiry
 
+    def uncapped(self) -> bool:
+        """No ceiling now or after the lease (``ceiling`` is None at any time)."""
+        return self._ceiling is None and self._safe is None
+
     def ceiling(self, now: float) -> int | None:
         """The lease ceiling in force at ``now`` (the safe value once the lease expired)."""
         if self.lease_expired(now):

@@ -53,7 +53,7 @@ from numaserve.loops.admission import (
     _Rate,
 )
 
-__all__ = ["CpuGate", "CpuGateStats", "LagTracker"]
+__all__ = ["CpuGate", "CpuGateStats", "CpuPermit", "LagTracker"]
 
 #: Other threads burning at least this many CPUs count as one request waiting for CPU.
 OTHER_THREADS_BUSY = 0.5
@@ -66,6 +66,33 @@ REQUEST_CPU_PRIOR_S = 0.002
 COST_WINDOWS = 8
 #: Window of the thread-CPU measurement.
 CPU_WINDOW_S = 0.05
+#: A finished request's outcome -> the counter it adds to.
+_OUTCOME_COUNTER = {"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}
+
+
+class CpuPermit:
+    """An admitted request of the "cpu" limiter (one is made per request, so: four slots, no id,
+    no dataclass machinery).  Same fields as ``Permit`` where they mean the same: ``enqueued_at``
+    (arrival, back-dated by the shell), ``deadline``, ``outcome``, ``released``; ``conn`` is the
+    shell's connection object (its client-gone check), None when unknown."""
+
+    __slots__ = ("conn", "deadline", "enqueued_at", "outcome", "released")
+
+    def __init__(self, enqueued_at: float, deadline: float | None) -> None:
+        self.enqueued_at = enqueued_at
+        self.deadline = deadline
+        self.outcome: Outcome = "ok"
+        self.released = False
+        self.conn: object = None
+
+    @property
+    def granted_at(self) -> float:
+        return self.enqueued_at
+
+    @property
+    def permit(self) -> CpuPermit:
+        """``Admit.permit`` (the permit is its own admission decision)."""
+        return self
 
 
 class LagTracker:
@@ -73,8 +100,9 @@ class LagTracker:
 
     The period is ``probe_min_s`` while the loop is busy (every sample then
     measures one loop iteration) and doubles up to ``probe_max_s`` while the
-    samples are ~0 (an idle loop is not woken 1000 times a second).
-    ``kick()`` (new work admitted) brings it back to the minimum.
+    samples are ~0 (a quiet loop is not woken 1000 times a second).
+    New work after a quiet spell (the probe stopped more than ``probe_max_s``
+    ago) brings it back to the minimum.
     """
 
     __slots__ = (
@@ -108,7 +136,11 @@ class LagTracker:
         self.tau = s.busy_window_s
         self.busy_lag = s.probe_min_s + BUSY_LAG_S
 
-    def sample(self, now: float, lag: float) -> None:
+    def sample(self, now: float, lag: float, loop_ran: float | None = None) -> None:
+        """One probe firing, ``lag`` s late.  ``loop_ran``: CPU the loop's thread used since the
+        previous firing (None: unknown).  A late firing shortens the period only if the loop ran
+        at least half of the lateness itself: late because the OS did not schedule the process
+        (more workers than CPUs), probing more often measures nothing new and only adds wake-ups."""
         lag = max(0.0, lag)
         dt = now - self.at
         was_busy = lag > self.busy_lag
@@ -121,7 +153,10 @@ class LagTracker:
         self.max_since = max(self.max_since, lag)
         self.at = now
         self.samples += 1
-        self.period = self.pmin if lag > self.pmin else min(self.pmax, self.period * 2)
+        if lag > self.pmin and (loop_ran is None or 2.0 * loop_ran >= lag):
+            self.period = self.pmin
+        else:
+            self.period = min(self.pmax, self.period * 2)
 
     def _decay(self, dt: float, toward: float) -> None:
         if dt > 0:
@@ -206,6 +241,9 @@ class CpuGate:
         self.request_cpu_s = REQUEST_CPU_PRIOR_S   # the loop's CPU per request (learnt)
         self._cpu_done = 0
         self._costs: deque[float] = deque(maxlen=COST_WINDOWS)
+        self._capped = bool(settings.max_inflight)   # an in-flight cap may apply (else limit() is None)
+        self._unfolded = 0                            # completions not yet added to the throughput rate
+        self._probe_stopped = True                    # the shell's probe is not armed (see probe_wanted)
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -218,7 +256,9 @@ class CpuGate:
 
     def set_limits(self, now: float, epoch: int, **kw: object) -> bool:
         """The supervisor's push (``PushedLimits.set``); the ceiling caps requests in flight."""
-        return self.pushed.set(now, epoch, **kw)  # type: ignore[arg-type]
+        applied = self.pushed.set(now, epoch, **kw)  # type: ignore[arg-type]
+        self._capped = bool(self.s.max_inflight) or not self.pushed.uncapped()
+        return applied
 
     def limit(self, now: float) -> int | None:
         """In-flight cap: min(``max_inflight``, lease ceiling); None when there is none."""
@@ -230,9 +270,13 @@ class CpuGate:
 
     # --- loop signals ------------------------------------------------------------------------
 
-    def on_lag(self, now: float, lag: float) -> None:
-        """A probe fired ``lag`` seconds late."""
-        self.lag.sample(now, lag)
+    def on_lag(self, now: float, lag: float, loop_ran: float | None = None) -> None:
+        """A probe fired ``lag`` seconds late (``loop_ran``: the loop thread's CPU since the
+        previous firing, if the shell measured it; see ``LagTracker.sample``)."""
+        self.lag.sample(now, lag, loop_ran)
+        self._probe_stopped = not self.probe_wanted()
+        if self._unfolded:
+            self._fold(now)
         self._overloaded = self.lag.sustained(now, self.s.busy_threshold, self.s.busy_release, self._overloaded)
 
     def on_cpu(self, now: float, loop_cpu_s: float, process_cpu_s: float) -> None:
@@ -255,6 +299,12 @@ class CpuGate:
     def probe_delay(self) -> float:
         return self.lag.period
 
+    def probe_wanted(self) -> bool:
+        """Re-arm the probe after a firing: while requests are in flight, and while the period has
+        not yet grown to its maximum (a worker between two requests of a steady flow keeps a
+        slow probe instead of stopping it and re-arming at the minimum period per request)."""
+        return self.inflight > 0 or self.lag.period < self.lag.pmax
+
     def short_of_cpu(self, now: float) -> bool:
         return self.lag.short(now, self.inflight > 0)
 
@@ -270,23 +320,38 @@ class CpuGate:
 
     def try_admit(self, now: float, *, deadline: float | None = None,
                   runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> Admit | Reject:
-        """Admit or refuse at once.
+        """``admit`` with the decision types of the other limiters (``Admit(permit)`` or ``Reject``)."""
+        d = self.admit(now, deadline, runnable)
+        return d if type(d) is Reject else Admit(d)  # type: ignore[arg-type]
+
+    def admit(self, now: float, deadline: float | None = None,
+              runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> CpuPermit | Reject:
+        """Admit (the permit) or refuse at once.
 
         ``runnable``: (tasks ready to run that already ran a step, tasks not started yet) besides
         this request, or a function counting them (called only when the loop is short of CPU).
         Overloaded, both are queue.  In a burst all of them count by their expected CPU
         (``request_cpu_s`` × count against ``burst_wait_s``): 40 new awaits are not 40 CPU jobs.
+
+        The common path (no quota, no cap, loop not short of CPU) is a few attribute reads: it
+        runs once per request.
         """
         if deadline is not None and now >= deadline:
             return self._reject(now, 504, "deadline")
-        if not self.pushed.bucket.try_take(now):
-            wait = self.pushed.bucket.wait_time(now)
+        bucket = self.pushed.bucket
+        if bucket.rate > 0 and not bucket.try_take(now):
+            wait = bucket.wait_time(now)
             return self._reject(now, 429, "quota", retry_after=self._clamp_retry(math.ceil(wait)))
-        cap = self.limit(now)
-        if cap is not None and self.inflight >= cap:
-            return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
-                                retry_after=self._overload_retry(now))
-        if self._overloaded or self.lag.short(now, self.inflight > 0):
+        if self._capped:
+            cap = self.limit(now)
+            if cap is not None and self.inflight >= cap:
+                return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
+                                    retry_after=self._overload_retry(now))
+        lag = self.lag
+        target = lag.target
+        if (self._overloaded or lag.value > target
+                or (self.inflight > 0 and now - (lag.at + lag.period) > target)) \
+                and (self._overloaded or lag.short(now, self.inflight > 0)):
             started, new = runnable() if callable(runnable) else runnable
             if self.other_threads_cpu >= OTHER_THREADS_BUSY:
                 started += 1
@@ -298,24 +363,34 @@ class CpuGate:
                 refuse = started >= self.s.cpu_burst or waiting * self.request_cpu_s >= self.s.burst_wait_s
             if refuse:
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
-        self.inflight += 1
-        self._max_inflight = max(self._max_inflight, self.inflight)
+        n = self.inflight = self.inflight + 1
+        if n > self._max_inflight:
+            self._max_inflight = n
         self._c["admitted"] += 1
-        self.lag.kick()
-        return Admit(Permit(granted_at=now, inflight_at_start=self.inflight, enqueued_at=now, deadline=deadline))
+        if self._probe_stopped:    # the shell arms the stopped probe now
+            self._probe_stopped = False
+            if now - lag.at > lag.pmax:   # new work after a quiet spell: the short period
+                lag.period = lag.pmin
+        return CpuPermit(now, deadline)
 
-    def release(self, now: float, permit: Permit, outcome: Outcome | None = None) -> None:
-        """A request finished (any outcome)."""
+    def release(self, now: float, permit: Permit | CpuPermit, outcome: Outcome | None = None) -> None:
+        """A request finished (any outcome).  The throughput rate takes it at the next probe
+        sample or snapshot (one exp() per probe period, not per request)."""
         if permit.released:
             return
         permit.released = True
-        self.inflight = max(0, self.inflight - 1)
-        self._c["completed"] += 1
-        out = outcome or permit.outcome
-        self._c[{"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}[out]] += 1
-        self._throughput.add(now)
+        if self.inflight > 0:
+            self.inflight -= 1
+        c = self._c
+        c["completed"] += 1
+        c[_OUTCOME_COUNTER[outcome or permit.outcome]] += 1
+        self._unfolded += 1
 
-    def client_gone(self, now: float, permit: Permit | None = None) -> None:
+    def _fold(self, now: float) -> None:
+        self._throughput.add(now, self._unfolded)
+        self._unfolded = 0
+
+    def client_gone(self, now: float, permit: Permit | CpuPermit | None = None) -> None:
         """An admitted request whose client left before it started: not run."""
         self._c["gone"] += 1
         if permit is not None and not permit.released:
@@ -356,6 +431,8 @@ class CpuGate:
     # --- stats -------------------------------------------------------------------------------
 
     def snapshot(self, now: float, *, reset_max: bool = False) -> CpuGateStats:
+        if self._unfolded:
+            self._fold(now)
         c = self._c
         short = self.short_of_cpu(now)
         st = CpuGateStats(

@@ -35,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.admission import Reject, Rejected
+from numaserve.loops.cpu_gate import CpuPermit
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from numaserve.worker.shedding import (
@@ -79,6 +81,10 @@ class LifespanRecord:
         self.exception: str | None = None
 
 
+async def _done() -> None:
+    return None
+
+
 def _with_close(message: Message) -> Message:
     headers = list(message.get("headers", ()))
     if not any(k.lower() == b"connection" and b"close" in v.lower() for k, v in headers):
@@ -94,9 +100,11 @@ class _Exchange:
     __slots__ = (
         "body_done",
         "edge",
+        "outcome",
         "permit",
         "raw_receive",
         "raw_send",
+        "read_by",
         "read_deadline",
         "received",
         "refused",
@@ -112,29 +120,35 @@ class _Exchange:
         self.started = False
         self.refused = 0         # the status the edge answered instead of the app (0: none)
         self.permit: Any = None  # the admission permit while held
+        self.outcome = "ok"      # how the request ended, for the gate's counters
         self.received = 0
         self.body_done = False
-        self.read_deadline: float | None = None
+        self.read_deadline: float | None = None   # loop time the body must be in by
+        self.read_by: float | None = None         # the same on the edge's clock, until the app reads
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        """The app's ``send``: returns the server's own awaitable (no coroutine of its own: this
+        runs per response start and per body chunk)."""
         if self.refused:
-            return  # the edge answered (or gave up on) this exchange
+            return _done()  # the edge answered (or gave up on) this exchange
         if not self.started:
             if message["type"] == "http.response.start":
                 self.started = True
                 self.status = int(message["status"])
-                edge = self.edge
-                if edge.closing():
+                if self.edge.closing():
                     message = _with_close(message)
         elif self.permit is not None and message.get("more_body", False):
             self.edge.release(self.permit, "ok")   # a stream: no permit between chunks
             self.permit = None
-        await self.raw_send(message)
+        return self.raw_send(message)
 
     async def receive(self) -> Message:
         if self.refused:
             return {"type": "http.disconnect"}
         deadline = self.read_deadline
+        if deadline is None and self.read_by is not None:   # the app's first read: to loop time
+            edge = self.edge
+            deadline = self.read_deadline = asyncio.get_running_loop().time() + (self.read_by - edge.clock())
         if self.body_done or deadline is None:
             message = await self.raw_receive()
         else:
@@ -208,6 +222,7 @@ class Edge:
         self.read_timeout = read_timeout
         self.limit_stats = limit_stats if limit_stats is not None else stats
         self.rejected: dict[int, int] = {}
+        self.clock = cpu.clock if cpu is not None else time.monotonic   # request start, body deadline
 
     # --- the per-request pieces the exchange calls -----------------------------------------
 
@@ -218,11 +233,10 @@ class Edge:
             return True
         return self.close_when_overloaded and self.gate.shedding(self.cpu.clock())
 
-    def release(self, permit: Any, outcome: str) -> None:
+    def release(self, permit: Any, outcome: str, now: float | None = None) -> None:
         cpu = self.cpu
         if cpu is not None:
-            self.gate.release(cpu.clock(), permit, outcome)
-            cpu.finished()
+            self.gate.release(cpu.clock() if now is None else now, permit, outcome)
         else:
             self.gate.release(permit, outcome)
 
@@ -241,13 +255,30 @@ class Edge:
         if kind == "http":
             ex = _Exchange(self, send, receive)
             stats = self.stats
+            cpu = self.cpu
+            if cpu is not None:   # limiter "cpu": two clock reads per request, shared with the stats
+                clock = cpu.clock
+                t0 = clock()
+                if stats is not None:
+                    stats.inflight += 1
+                try:
+                    await self._http(scope, ex, t0)
+                finally:
+                    end = clock()
+                    permit = ex.permit
+                    if permit is not None:
+                        ex.permit = None
+                        self.gate.release(end, permit, ex.outcome)
+                    if stats is not None:
+                        stats.request_finished(ex.status or 500, (end - t0) * 1000.0)
+                return
             if stats is None:
-                await self._http(scope, ex)
+                await self._http(scope, ex, 0.0)
                 return
             stats.inflight += 1
             t0 = time.perf_counter()
             try:
-                await self._http(scope, ex)
+                await self._http(scope, ex, 0.0)
             finally:
                 # no response: uvicorn answers 500 (app raised or returned without one) or the client left
                 stats.request_finished(ex.status or 500, (time.perf_counter() - t0) * 1000.0)
@@ -256,29 +287,31 @@ class Edge:
         else:
             await self.app(scope, receive, send)
 
-    async def _http(self, scope: Scope, ex: _Exchange) -> None:
+    async def _http(self, scope: Scope, ex: _Exchange, now: float) -> None:
+        """Admission finished (limiter "cpu": decided here for frames and h11), then the app.
+        With the "cpu" limiter the permit is left in ``ex`` for ``__call__`` to release."""
         deadline: float | None = None
         permit = None
-        if self.cpu is not None:
-            cpu = self.cpu
+        cpu = self.cpu
+        if cpu is not None:
             gate = self.gate
-            now = cpu.clock()
             permit = scope.pop(PERMIT_KEY, None)
-            conn = scope.pop(CONN_KEY, None)
             if permit is None:  # not decided at the protocol (frames, h11)
-                d = gate.try_admit(now, deadline=request_deadline(scope["headers"], now, self.default_timeout_s),
-                                   runnable=runnable_tasks)
-                if isinstance(d, Reject):
+                d = gate.admit(now, request_deadline(scope["headers"], now, self.default_timeout_s),
+                               runnable_tasks)
+                if type(d) is not CpuPermit:
                     self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
                     # no Connection: close: on a frame connection it would end every request
                     # multiplexed on it; uvicorn's h11 keeps the connection usable after a 503
                     await ex.answer(d.status, f"request not admitted: {d.reason}", retry_after=d.retry_after)
                     return
-                permit = d.permit
+                permit = d
                 cpu.admitted()
-            elif conn is not None and now - permit.enqueued_at > self.gone_after and cpu.client_gone(conn):
+                conn = None
+            else:
+                conn = getattr(permit, "conn", None) or scope.pop(CONN_KEY, None)
+            if conn is not None and now - permit.enqueued_at > self.gone_after and cpu.client_gone(conn):
                 gate.client_gone(now, permit)  # waited so long its client left: do not run it
-                cpu.finished()
                 return
             cpu.started(permit, now)
             deadline = permit.deadline
@@ -301,10 +334,9 @@ class Edge:
             await self._limited(scope, ex)
             return
         ex.permit = permit
-        outcome = "ok"
         try:
             if deadline is None:
-                receive = self._body_receive(scope, ex)
+                receive = self._body_receive(scope, ex, now if cpu is not None else 0.0)
                 if receive is None:
                     await self._answer_413(ex)
                 else:
@@ -324,30 +356,31 @@ class Edge:
                 except TimeoutError:
                     if not timer.expired():
                         raise
-                    outcome = "dropped"
+                    ex.outcome = "dropped"
                     if not ex.started:
                         await ex.answer(504, "deadline passed while the request ran")
                         return
                     raise
             status = ex.status
             if status >= 500:
-                outcome = "dropped" if status == 504 else "ignored"
+                ex.outcome = "dropped" if status == 504 else "ignored"
             elif status == 400:
-                outcome = "bad_request"
+                ex.outcome = "bad_request"
         except asyncio.CancelledError:
-            outcome = "dropped"
+            ex.outcome = "dropped"
             raise
         except Exception:
-            if outcome == "ok":
-                outcome = "ignored"
+            if ex.outcome == "ok":
+                ex.outcome = "ignored"
             raise
         finally:
-            if ex.permit is not None:
+            if cpu is None and ex.permit is not None:   # ("cpu": released by __call__, at its end clock)
                 ex.permit = None
-                self.release(permit, outcome)
+                self.release(permit, ex.outcome)
 
-    def _body_receive(self, scope: Scope, ex: _Exchange) -> Receive | None:
-        """The ``receive`` the app gets (limited when there are limits); None: refused with 413."""
+    def _body_receive(self, scope: Scope, ex: _Exchange, now: float = 0.0) -> Receive | None:
+        """The ``receive`` the app gets (limited when there are limits); None: refused with 413.
+        ``now``: the request's start on ``clock`` (0: read it)."""
         limit = self.max_body_bytes
         if limit <= 0 and self.read_timeout <= 0:
             return ex.raw_receive
@@ -369,9 +402,9 @@ class Edge:
             # a client waiting for 100 Continue sends nothing: no need to linger
             ex.read_deadline = -1.0 if expects_continue or declared > LINGER_BYTES else None
             return None
-        if self.read_timeout > 0:
-            ex.read_deadline = asyncio.get_running_loop().time() + self.read_timeout
-        return ex.receive   # costs nothing until the app reads (a GET handler never does)
+        if self.read_timeout > 0:   # (made a loop time only if the app reads: a GET handler never does)
+            ex.read_by = (now if now else self.clock()) + self.read_timeout
+        return ex.receive
 
     async def _limited(self, scope: Scope, ex: _Exchange) -> None:
         """The body limits, then the app."""

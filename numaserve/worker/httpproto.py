@@ -249,9 +249,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
     clock = rt.clock if rt is not None else None
     default_timeout = rt.s.request_timeout_s if rt is not None else 0.0
     if rt is not None:
+        from numaserve.loops.cpu_gate import CpuPermit
         from numaserve.worker import shedding
         from numaserve.worker.shedding import (
-            CONN_KEY,
             PERMIT_KEY,
             TCP_ESTABLISHED,
             reject_response,
@@ -462,7 +462,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
         # --- admission ------------------------------------------------------------------------
 
         def _admit(self) -> None:
-            now = clock()  # type: ignore[misc]
+            now = clock()  # type: ignore[misc]   # the request's one clock read before it starts
             arrived = now
             if rt.loop_late(now):
                 got = tcp_wait_and_state(self.transport.get_extra_info("socket"))
@@ -472,15 +472,14 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                         self._ns_drop = True
                         raise _Stop
                     arrived = now - got[0]
-            d = gate.try_admit(now, deadline=request_deadline(self.headers, arrived, default_timeout),
-                               runnable=shedding.runnable_tasks)   # (looked up here: tests replace it)
-            permit = getattr(d, "permit", None)
-            if permit is None:
+            d = gate.admit(now, request_deadline(self.headers, arrived, default_timeout),
+                           shedding.runnable_tasks)   # (looked up here: tests replace it)
+            if type(d) is not CpuPermit:
                 self._ns_reject = d
                 raise _Stop
-            permit.enqueued_at = arrived
-            self.scope[PERMIT_KEY] = permit  # type: ignore[literal-required]
-            self.scope[CONN_KEY] = self  # type: ignore[literal-required]
+            d.enqueued_at = arrived
+            d.conn = self
+            self.scope[PERMIT_KEY] = d  # type: ignore[literal-required]
             rt.admitted()
 
         def _refused(self) -> None:

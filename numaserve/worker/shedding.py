@@ -1,8 +1,8 @@
 """The I/O shell around the "cpu" limiter (``numaserve.loops.cpu_gate``): probe, protocol hook, sentinel.
 
 * ``LoopProbe`` — a timer on the event loop, re-armed after every firing
-  while requests are in flight; how late it fires is the loop lag the gate
-  sheds on.  It also stamps ``beat`` (the sentinel's freshness signal) and
+  while requests are in flight (and until its period has grown back to the
+  maximum); how late it fires is the loop lag the gate sheds on.  It also stamps ``beat`` (the sentinel's freshness signal) and
   samples the CPU of the loop's thread and of the process (thread pools).
 * the protocol hook — the worker's HTTP protocol (``numaserve.worker.
   httpproto``) decides admission when a request's head is complete, before
@@ -15,9 +15,11 @@
   (the client already gave up and closed) means the request is not run.
 * ``Sentinel`` — a thread per worker.  While the loop is stalled (one call
   holding it: a blocking handler) the in-loop gate cannot act; the thread
-  watches the listener's accept queue (``TCP_INFO`` on the listening socket
-  gives its length), leaves ``stall_queue`` connections for the loop and
-  answers the oldest others with 503 from outside the loop.  It needs the
+  sleeps in ``poll()`` on the listener until a connection waits in its accept
+  queue (with keep-alive clients: never), checks whether the loop is stalled,
+  reads the queue's length (``TCP_INFO`` on the listening socket), leaves
+  ``stall_queue`` connections for the loop and answers the oldest others
+  with 503 from outside the loop.  It needs the
   GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
   and most C extensions around heavy work; a C call that holds the GIL for
   long stalls the sentinel too (then only the supervisor's steering helps).
@@ -30,6 +32,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import select
 import socket
@@ -43,7 +46,7 @@ from numaserve.errors_http import error_body, error_headers
 from numaserve.net.listeners import accept_queue_depth
 from numaserve.loops.admission import AdmissionSettings, Reject
 from numaserve.loops.cpu_gate import CpuGate
-from numaserve.worker.stats import LatencyHistogram
+from numaserve.worker.stats import BUCKET_UPPER_MS, LatencyHistogram
 
 __all__ = [
     "ARRIVED_KEY",
@@ -114,14 +117,15 @@ class LoopProbe:
         self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
         self._cpu_at = 0.0
+        self._tt = time.thread_time()
         self.lag_hist = LatencyHistogram()
 
     def kick(self) -> None:
-        """New work admitted: probe at the short period (arm it if it was stopped)."""
-        self.gate.lag.kick()
+        """New work admitted: arm the probe if it was stopped (the gate chose its period)."""
         if self._handle is None:   # stopped while idle: the loop is running right now, not stalled
             now = time.monotonic()
             self.beat = now
+            self._tt = time.thread_time()
             self._arm(now)
 
     def _arm(self, now: float) -> None:
@@ -134,15 +138,18 @@ class LoopProbe:
 
     def _fire(self) -> None:
         now = time.monotonic()
+        tt = time.thread_time()   # the loop thread's CPU: was a late firing the loop's doing?
         self._handle = None
         lag = max(0.0, now - self._due)
-        self.gate.on_lag(now, lag)
+        gate = self.gate
+        gate.on_lag(now, lag, tt - self._tt)
+        self._tt = tt
         self.lag_hist.observe(lag * 1000.0)
         self.beat = now
         if now - self._cpu_at >= CPU_SAMPLE_S:
             self._cpu_at = now
-            self.gate.on_cpu(now, time.thread_time(), time.process_time())
-        if self.gate.inflight > 0:
+            gate.on_cpu(now, tt, time.process_time())
+        if gate.probe_wanted():
             self._arm(now)
 
     def stop(self) -> None:
@@ -185,16 +192,28 @@ class AdmissionRuntime:
         return self.gate.lag.last > LATE_S or now - self.probe.beat > self.probe.period + LATE_S
 
     def admitted(self) -> None:
-        self.probe.kick()
+        """A request was admitted (the gate already chose the probe's period): arm a stopped
+        probe and wake the sentinel."""
+        probe = self.probe
+        if probe._handle is None:   # stopped while idle: arm it
+            probe.kick()
         if not self.busy.is_set():
             self.busy.set()
 
     def started(self, permit: Any, now: float) -> None:
-        self.delay_hist.observe(max(0.0, now - permit.enqueued_at) * 1000.0)
-
-    def finished(self) -> None:
-        """A request ended.  ``busy`` stays set: the sentinel clears it when it finds nothing
-        in flight (setting a ``threading.Event`` takes a lock; once per idle period, not per request)."""
+        """An admitted request starts: its queue delay (arrival -> start) into the histogram,
+        inline (``LatencyHistogram.observe`` costs a call, a ``max`` and a bisect call)."""
+        ms = (now - permit.enqueued_at) * 1000.0
+        h = self.delay_hist
+        if ms <= 0.0:
+            ms = 0.0
+            h.counts[0] += 1
+        else:
+            h.counts[bisect.bisect_left(BUCKET_UPPER_MS, ms)] += 1
+            if ms > h.max_ms:
+                h.max_ms = ms
+        h.count += 1
+        h.sum_ms += ms
 
     def client_gone(self, conn: Any) -> bool:
         """The client of ``conn`` (a protocol) has closed or reset its connection."""
@@ -301,6 +320,9 @@ class Sentinel(threading.Thread):
         gate = rt.gate
         s = rt.s
         stalled_before = False
+        queue = select.poll()      # readable listener = a connection waits in its accept queue
+        for lst in self._listeners:
+            queue.register(lst, select.POLLIN)
         while not self._stop_evt.is_set():
             if gate.inflight <= 0 and not self._pending and not self._linger:
                 rt.busy.clear()          # then look again: an admission in between sets it anew
@@ -314,7 +336,16 @@ class Sentinel(threading.Thread):
             if stalled_for < limit or gate.inflight <= 0:
                 stalled_before = False
                 self._service(now)
-                self._stop_evt.wait(min(0.05, max(self.STALL_POLL_S, limit - stalled_for)))
+                # Nothing to answer while every accept queue is empty (keep-alive traffic: always),
+                # so sleep in poll() until a connection waits (the loop takes it at once if it can),
+                # then until the loop could be stalled for ``limit``: no wake-ups per probe period
+                # (32 workers on 2 CPUs: 32 threads taking the GIL from their loops ~1000 times a second).
+                wait = 0.05 if not (self._pending or self._linger) else self.STALL_POLL_S * 10
+                if queue.poll(wait * 1000.0):
+                    now = time.monotonic()
+                    left = limit - (now - probe.beat - probe.period)
+                    if left > 0:
+                        self._stop_evt.wait(min(0.05, max(self.STALL_POLL_S, left)))
                 continue
             if not stalled_before:
                 self.stalls += 1

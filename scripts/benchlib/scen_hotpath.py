@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-import numaserve.loadtest as lt
+import numaserve.tools.loadtest as lt
 from benchlib import engine, procs
 from benchlib.common import Ctx, summarize_rows
 from benchlib.servers import Server, ServerConfig

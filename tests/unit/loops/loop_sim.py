@@ -215,7 +215,7 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
                 gate.on_cpu(now, cpu_total, cpu_total)
                 beat = now
                 probe_due = None
-                if gate.inflight > 0:
+                if gate.probe_wanted():   # as LoopProbe re-arms
                     ensure_probe(now)
             else:
                 ready.append(obj)  # type: ignore[arg-type]

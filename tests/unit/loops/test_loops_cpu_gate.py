@@ -175,8 +175,34 @@ def test_probe_period_short_while_busy_long_while_idle() -> None:
     assert g.probe_delay() == 0.008
     g.on_lag(1.0, 0.004)
     assert g.probe_delay() == 0.001
-    g.on_lag(1.1, 0.0)
-    g.try_admit(1.1)                                   # new work: back to the short period
+    for i in range(2):                                 # quiet again: the period grows back ...
+        g.on_lag(1.1 + i * 0.01, 0.0)
+        assert g.probe_wanted()                        # ... while the probe keeps running
+    g.on_lag(1.2, 0.0)
+    assert g.probe_delay() == 0.008 and not g.probe_wanted()   # at the maximum, idle: it stops
+    g.try_admit(1.3)                                   # new work after the probe stopped: short period
+    assert g.probe_delay() == 0.001
+
+
+def test_a_steady_flow_of_short_requests_keeps_a_slow_probe() -> None:
+    g = gate(probe_min_s=0.001, probe_max_s=0.008)
+    t = 0.0
+    p = g.try_admit(t)
+    for _ in range(20):                                # a request every 3 ms, each done in 0.1 ms
+        g.release(t + 0.0001, p.permit)  # type: ignore[union-attr]
+        t += 0.003
+        g.on_lag(t, 0.0)
+        p = g.try_admit(t)
+    assert g.probe_delay() == 0.008                    # not reset to 1 ms by every admission
+
+
+def test_a_late_probe_the_loop_did_not_cause_does_not_shorten_the_period() -> None:
+    g = gate(probe_min_s=0.001, probe_max_s=0.008)
+    for i in range(4):
+        g.on_lag(i * 0.01, 0.0)
+    g.on_lag(0.05, 0.005, loop_ran=0.0002)             # the process was not scheduled (more workers than CPUs)
+    assert g.probe_delay() == 0.008
+    g.on_lag(0.07, 0.005, loop_ran=0.006)              # the loop itself ran through it: busy
     assert g.probe_delay() == 0.001
 
 
