@@ -340,8 +340,7 @@ class Sentinel(threading.Thread):
                 # so sleep in poll() until a connection waits (the loop takes it at once if it can),
                 # then until the loop could be stalled for ``limit``: no wake-ups per probe period
                 # (32 workers on 2 CPUs: 32 threads taking the GIL from their loops ~1000 times a second).
-                wait = 0.05 if not (self._pending or self._linger) else self.STALL_POLL_S * 10
-                if queue.poll(wait * 1000.0):
+                if queue.poll(self._idle_poll_ms()):
                     now = time.monotonic()
                     left = limit - (now - probe.beat - probe.period)
                     if left > 0:
@@ -350,13 +349,23 @@ class Sentinel(threading.Thread):
             if not stalled_before:
                 self.stalls += 1
                 stalled_before = True
+            waiting = 0
             for lst in self._listeners:
                 depth = accept_queue_depth(lst) or 0
+                waiting += depth
                 for _ in range(gate.stall_excess(now, stalled_for, depth)):
                     if not self._take(lst, now):
                         break
             self._service(now)
-            self._stop_evt.wait(self.STALL_POLL_S)
+            if waiting:    # connections wait (some left for the loop): look again in a moment
+                self._stop_evt.wait(self.STALL_POLL_S)
+            else:          # stalled (or not scheduled: more workers than CPUs) with nobody waiting:
+                queue.poll(self._idle_poll_ms())   # nothing to answer until a connection arrives
+
+    def _idle_poll_ms(self) -> float:
+        """How long to sleep in poll() when no connection waits: until pending heads and
+        lingering closes need a look."""
+        return 50.0 if not (self._pending or self._linger) else self.STALL_POLL_S * 10 * 1000.0
 
     def _take(self, lst: socket.socket, now: float) -> bool:
         try:
