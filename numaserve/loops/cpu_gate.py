@@ -101,8 +101,10 @@ class LagTracker:
     The period is ``probe_min_s`` while the loop is busy (every sample then
     measures one loop iteration) and doubles up to ``probe_max_s`` while the
     samples are ~0 (a quiet loop is not woken 1000 times a second).
-    New work after a quiet spell (the probe stopped more than ``probe_max_s``
-    ago) brings it back to the minimum.
+    New work after a quiet spell (no probe for ``busy_window_s``) brings it
+    back to the minimum; not after every gap between two requests (with 32
+    workers on 2 CPUs each gap is longer than ``probe_max_s``, and a 1 ms
+    probe per request woke every worker for nothing).
     """
 
     __slots__ = (
@@ -369,7 +371,7 @@ class CpuGate:
         self._c["admitted"] += 1
         if self._probe_stopped:    # the shell arms the stopped probe now
             self._probe_stopped = False
-            if now - lag.at > lag.pmax:   # new work after a quiet spell: the short period
+            if now - lag.at > lag.tau:   # new work after a quiet spell (busy_window_s): the short period
                 lag.period = lag.pmin
         return CpuPermit(now, deadline)
 

@@ -279,6 +279,8 @@ class Sentinel(threading.Thread):
 
     #: Checks per second while the loop is stalled (each needs the GIL).
     STALL_POLL_S = 0.001
+    #: Nothing in flight for this long: sleep on the ``busy`` event (the next admission sets it).
+    PARK_AFTER_S = 1.0
     #: A shed connection whose request head has not arrived is answered after this long anyway.
     HEAD_WAIT_S = 0.05
     #: After the 503 and FIN, what the client still sends is read and dropped this long (no RST).
@@ -323,12 +325,22 @@ class Sentinel(threading.Thread):
         queue = select.poll()      # readable listener = a connection waits in its accept queue
         for lst in self._listeners:
             queue.register(lst, select.POLLIN)
+        idle_since: float | None = None
         while not self._stop_evt.is_set():
             if gate.inflight <= 0 and not self._pending and not self._linger:
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                if now - idle_since < self.PARK_AFTER_S:
+                    # between two requests of a flow: stay off the event (parking it here and
+                    # setting it on the next admission takes its lock in both threads per gap)
+                    self._stop_evt.wait(0.05)   # (not poll(): nothing to answer with nothing in flight)
+                    continue
                 rt.busy.clear()          # then look again: an admission in between sets it anew
                 if gate.inflight <= 0:
                     rt.busy.wait(1.0)
                 continue
+            idle_since = None
             now = time.monotonic()
             probe = rt.probe
             stalled_for = now - probe.beat - probe.period

@@ -180,7 +180,12 @@ def test_probe_period_short_while_busy_long_while_idle() -> None:
         assert g.probe_wanted()                        # ... while the probe keeps running
     g.on_lag(1.2, 0.0)
     assert g.probe_delay() == 0.008 and not g.probe_wanted()   # at the maximum, idle: it stops
-    g.try_admit(1.3)                                   # new work after the probe stopped: short period
+    p = g.try_admit(1.25)                              # the next request of a sparse flow: no reset
+    assert g.probe_delay() == 0.008
+    g.release(1.251, p.permit)  # type: ignore[union-attr]
+    g.on_lag(1.26, 0.0)
+    assert not g.probe_wanted()                        # idle at the maximum: stopped again
+    g.try_admit(2.5)                                   # new work after a quiet spell: short period
     assert g.probe_delay() == 0.001
 
 
