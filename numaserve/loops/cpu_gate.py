@@ -141,8 +141,9 @@ class LagTracker:
     def sample(self, now: float, lag: float, loop_ran: float | None = None) -> None:
         """One probe firing, ``lag`` s late.  ``loop_ran``: CPU the loop's thread used since the
         previous firing (None: unknown).  A late firing shortens the period only if the loop ran
-        at least half of the lateness itself: late because the OS did not schedule the process
-        (more workers than CPUs), probing more often measures nothing new and only adds wake-ups."""
+        for at least half of the time since the previous firing: late because the OS did not
+        schedule the process (more workers than CPUs), probing more often measures nothing new
+        and only adds wake-ups."""
         lag = max(0.0, lag)
         dt = now - self.at
         was_busy = lag > self.busy_lag
@@ -155,7 +156,7 @@ class LagTracker:
         self.max_since = max(self.max_since, lag)
         self.at = now
         self.samples += 1
-        if lag > self.pmin and (loop_ran is None or 2.0 * loop_ran >= lag):
+        if lag > self.pmin and (loop_ran is None or 2.0 * loop_ran >= dt):
             self.period = self.pmin
         else:
             self.period = min(self.pmax, self.period * 2)
