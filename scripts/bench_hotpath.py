@@ -162,9 +162,8 @@ def _uvicorn(app: Any, *, proxy: bool, http: Any = "httptools") -> tuple[type, A
 
 def stacks(sse_chunks: int) -> dict[str, Callable[[], tuple[type, Any, Any]]]:
     """name -> factory of (protocol class, uvicorn config, server state)."""
-    from benchapp import app as bench_app
-
     import msgspec
+    from benchapp import app as bench_app
 
     from numaserve.worker.spec import WorkerSpec
 

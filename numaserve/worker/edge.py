@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
-from numaserve.loops.admission import Reject, Rejected
+from numaserve.loops.admission import Rejected
 from numaserve.loops.cpu_gate import CpuPermit
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send

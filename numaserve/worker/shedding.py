@@ -43,9 +43,9 @@ from collections.abc import Callable
 from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
-from numaserve.net.listeners import accept_queue_depth
 from numaserve.loops.admission import AdmissionSettings, Reject
 from numaserve.loops.cpu_gate import CpuGate
+from numaserve.net.listeners import accept_queue_depth
 from numaserve.worker.stats import BUCKET_UPPER_MS, LatencyHistogram
 
 __all__ = [
