@@ -407,15 +407,22 @@ class CpuGate:
 
         Only while the loop is stalled: its probe is ``stall_after_s`` late
         when it was already short of CPU, else ``stall_idle_after_s`` (a
-        single long call on a quiet worker is not overload).  ``stall_queue``
-        connections stay for the loop, so it has work the moment it is back.
+        single long call on a quiet worker is not overload).  What stays for
+        the loop is what its own gate would admit: the connections whose
+        learnt CPU fits in what is left of ``overload_wait_s`` after the
+        stall so far, and never fewer than ``stall_queue`` (so the loop has
+        work the moment it is back).  A 5 ms handler that blocks the loop is
+        a stall every call; 8 clients of it queue ~35 ms and are all served,
+        while behind a 20 ms one only 2 stay and behind a long call 1.
         """
         if self.inflight <= 0:
             return 0
         limit = self.s.stall_after_s if self.overloaded(now) else self.s.stall_idle_after_s
         if stalled_for < limit:
             return 0
-        return max(0, accept_queue - self.s.stall_queue)
+        budget = self.s.overload_wait_s - stalled_for
+        keep = math.ceil(budget / self.request_cpu_s) if budget > 0 and self.request_cpu_s > 0 else 0
+        return max(0, accept_queue - max(self.s.stall_queue, keep))
 
     def record_stall_shed(self, now: float, n: int = 1) -> None:
         """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""

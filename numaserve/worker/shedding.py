@@ -18,7 +18,8 @@
   sleeps in ``poll()`` on the listener until a connection waits in its accept
   queue (with keep-alive clients: never), checks whether the loop is stalled,
   reads the queue's length (``TCP_INFO`` on the listening socket), leaves
-  ``stall_queue`` connections for the loop and answers the oldest others
+  what the loop's gate would admit (``CpuGate.stall_excess``: at least
+  ``stall_queue``) and answers the oldest others
   with 503 from outside the loop.  It needs the
   GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
   and most C extensions around heavy work; a C call that holds the GIL for

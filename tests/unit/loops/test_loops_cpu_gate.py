@@ -163,9 +163,25 @@ def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
     assert g.stall_excess(0.06, 0.06, 10) == 9        # 60 ms: leave one for the loop
     t = busy_for(g, 0.1, 2.0)
     assert g.overloaded(t)
+    g.request_cpu_s = 0.05                            # long calls: only stall_queue stays
     assert g.stall_excess(t, 0.003, 4) == 3 and g.stall_excess(t, 0.001, 4) == 0
     g.record_stall_shed(t, 3)
     assert g.snapshot(t).shed["stall"] == 3
+
+
+def test_stall_excess_keeps_what_the_loop_would_admit() -> None:
+    """Behind a short blocking handler the queue fits overload_wait_s: a closed loop of 8 clients
+    of a 5 ms endpoint is served, not shed; behind a 20 ms one 2 stay; a long stall keeps stall_queue."""
+    g = gate(stall_queue=1, stall_after_s=0.002, overload_wait_s=0.04)
+    g.try_admit(0.0)
+    t = busy_for(g, 0.1, 2.0)
+    assert g.overloaded(t)
+    g.request_cpu_s = 0.005
+    assert g.stall_excess(t, 0.003, 7) == 0           # 7 x 5 ms fits in the 37 ms left
+    assert g.stall_excess(t, 0.003, 12) == 12 - 8     # ceil(37 / 5) = 8 stay
+    g.request_cpu_s = 0.02
+    assert g.stall_excess(t, 0.003, 6) == 6 - 2       # ceil(37 / 20) = 2 stay
+    assert g.stall_excess(t, 0.05, 6) == 6 - 1        # past overload_wait_s: stall_queue only
 
 
 def test_probe_period_short_while_busy_long_while_idle() -> None:
