@@ -77,7 +77,8 @@ def set_(target: Any, reply_timeout: float, slot: int | None, node: int | None, 
     ok = sum(1 for a in acks.values() if a.get("ok"))
     click.echo(f"set {value} on " + (f"slot {slot}" if slot is not None else f"node {node}" if node is not None
                                      else "every slot") + f", applied by {ok}/{len(acks)} workers"
-               + " (until `numaserve ratelimit auto`)")
+               + (f" in {res['acked_in_ms']} ms" if isinstance(res, dict) and res.get("acked_in_ms") is not None
+                  else "") + " (until `numaserve ratelimit auto`)")
     for key, a in sorted(acks.items()):
         if not a.get("ok"):
             click.echo(f"  slot {key}: not applied: {a.get('detail')}", err=True)

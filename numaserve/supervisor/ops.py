@@ -9,6 +9,7 @@ exception in the supervisor.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
@@ -203,8 +204,11 @@ async def _ratelimit_set(sup: OpsTarget, args: dict[str, Any]) -> Any:
         raise OpsArgError(f"no slot on node {node}")
     touched = sup.limits.override([s.plan.slot for s in slots], node, conc, None if rate is None else float(rate),
                                   push=False)
+    t0 = time.perf_counter()
     acks = await sup.limits.push_acked(touched)   # every worker applied it when this returns
+    acked_in_ms = round(1000.0 * (time.perf_counter() - t0), 2)
     return {"state": "applied" if all(a.get("ok") for a in acks.values()) else "partly applied", "acks": acks,
+            "acked_in_ms": acked_in_ms,   # first Command sent -> last Ack read (the fan-out, not this reply)
             "slots": [sup.limits.status(s) | {"slot": s.plan.slot} for s in sup.slots.values()]}
 
 
@@ -218,7 +222,9 @@ async def _ratelimit_auto(sup: OpsTarget, args: dict[str, Any]) -> Any:
         raise OpsArgError(f"no slot {slot}")
     touched = sup.limits.auto(None if slot is None and node is None else ([slot] if slot is not None else []), node,
                               push=False)
-    return {"state": "auto", "acks": await sup.limits.push_acked(touched)}
+    t0 = time.perf_counter()
+    acks = await sup.limits.push_acked(touched)
+    return {"state": "auto", "acks": acks, "acked_in_ms": round(1000.0 * (time.perf_counter() - t0), 2)}
 
 
 from numaserve.supervisor import ops_cache  # noqa: E402,F401  (registers the cache verbs)

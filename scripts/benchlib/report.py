@@ -128,13 +128,15 @@ def md_overhead(s: dict[str, Any]) -> list[str]:
     rows = sorted(s["rows"], key=lambda r: _srv_key(r["server"]))
     return _table(
         ["server", "workers", "all ready s", "supervisor CPU idle %", "supervisor CPU under load %",
-         "tree CPU idle %", "tree RSS MB", "req/s under load", "ratelimit set, all acked: p50 / p99 ms"],
+         "tree CPU idle %", "tree RSS MB", "req/s under load", "ratelimit set, all acked: p50 / p99 ms",
+         "of which the fan-out (sent → last Ack): p99 ms"],
         [[r["server"], str(r["workers"]), f"{r['all_ready_s']:.2f}", fmt(r["supervisor_idle_cpu_pct_summary"], 2),
           "–" if r["supervisor_load_cpu_pct"] is None else f"{r['supervisor_load_cpu_pct']:.2f}",
           f"{r['tree_idle_cpu_pct']:.2f}", f"{r['tree_rss_mb']:.0f}", f"{r['load_rps']:.0f}",
           (f"{1000 * r['control_latency_summary']['median']:.1f} / {r.get('control_p99_ms')}"
            if r["control_latency_s"] and r["control_latency_summary"].get("median") is not None
-           else "n/a (no runtime channel)")]
+           else "n/a (no runtime channel)"),
+          "–" if r.get("control_fanout_p99_ms") is None else f"{r['control_fanout_p99_ms']}"]
          for r in rows])
 
 

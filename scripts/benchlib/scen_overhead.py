@@ -51,10 +51,11 @@ def _epochs(srv: Server) -> list[tuple[Any, Any]]:
     return [(s.get("epoch"), s.get("applied_epoch")) for s in srv.ops("ratelimit_show", timeout=5.0)["slots"]]
 
 
-def control_latency(srv: Server, value: int, workers: int) -> tuple[float | None, int]:
+def control_latency(srv: Server, value: int, workers: int) -> tuple[float | None, int, float | None]:
     """Seconds of one ``ratelimit set`` round trip: the reply comes once every worker acknowledged
     the new epoch (explicit per-command Ack).  Returns (seconds or None if a worker did not
-    apply it, acks received); ``ratelimit show`` is checked afterwards to agree."""
+    apply it, acks received, the supervisor's fan-out time: first Command sent to last Ack read,
+    in seconds); ``ratelimit show`` is checked afterwards to agree."""
     before = max((e or 0) for e, _ in _epochs(srv))
     t0 = time.perf_counter()
     res = srv.ops("ratelimit_set", {"concurrency": value, "all": True}, timeout=10.0)
@@ -63,7 +64,8 @@ def control_latency(srv: Server, value: int, workers: int) -> tuple[float | None
     ok = len(acks) >= workers and all(a.get("ok") for a in acks.values())
     eps = _epochs(srv)
     ok = ok and all(e is not None and e > before and a == e for e, a in eps)
-    return (dt if ok else None), len(acks)
+    fan = (res or {}).get("acked_in_ms")
+    return (dt if ok else None), len(acks), (fan / 1000.0 if ok and isinstance(fan, (int, float)) else None)
 
 
 def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
@@ -82,10 +84,12 @@ def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
         loaded = meter.sample() / r.result.duration_s if r.result.duration_s else None
         ctl: list[float | None] = []
         acks: list[int] = []
+        fanout: list[float | None] = []
         if kind == "numaserve":
             for i in range(ctx.pick(10, 50)):
-                dt, n = control_latency(srv, 8 + i % 8, workers)
+                dt, n, fan = control_latency(srv, 8 + i % 8, workers)
                 ctl.append(dt)
+                fanout.append(fan)
                 acks.append(n)
                 time.sleep(PUSH_GAP_S)
             srv.ops("ratelimit_auto", {}, timeout=10.0)
@@ -101,6 +105,8 @@ def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
             "load_failed": r.failed,
             "control_latency_s": [None if x is None else round(x, 4) for x in ctl],
             "control_acks": acks,
+            "control_fanout_s": [None if x is None else round(x, 4) for x in fanout],
+            "control_fanout_p99_ms": _p99_ms(fanout) if fanout else None,
             "control_p99_ms": _p99_ms(ctl),
         }
 
