@@ -57,7 +57,10 @@ def total(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 
 def test_metrics_health_and_readiness_over_http() -> None:
-    with Running(TWO, config=CONFIG) as sup:
+    # exec'd workers: a worker forked from the warm template replaces a killed one in ~30 ms, too
+    # short a window for this test to see /readyz name the slot (tests/integration/test_template.py
+    # covers the forked replacement); an exec'd one takes a fresh interpreter's start-up
+    with Running(TWO + ["--worker-start", "exec"], config=CONFIG) as sup:
         st = sup.status()
         address = st["supervisor"]["admin"]
         assert address and address.startswith("127.0.0.1:") and not address.endswith(":0"), st["supervisor"]
