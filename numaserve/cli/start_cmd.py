@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import click
 
@@ -132,7 +133,7 @@ def start(
     except BaseException:
         sup.close()
         raise
-    code = asyncio.run(sup.run())
+    code = asyncio.run(_serve(sup))
     if sup.fatal:
         click.echo(f"numaserve: error: {sup.fatal}", err=True)
     ctx.exit(code)
@@ -145,3 +146,14 @@ def _flag_overrides(ctx: click.Context, overrides: dict[str, dict[str, object]])
     if root.obj and root.obj.get("log_level"):
         out.setdefault("log", {})["level"] = root.obj["log_level"]
     return out
+
+
+async def _serve(sup: Any) -> int:
+    """The supervisor's life, plus the one-shot trim of its start-up garbage once every slot serves."""
+    from numaserve.supervisor.settle import trim_once_settled
+
+    settle = asyncio.ensure_future(trim_once_settled(lambda: sup.state))
+    try:
+        return await sup.run()
+    finally:
+        settle.cancel()

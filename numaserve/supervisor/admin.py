@@ -46,8 +46,8 @@ import structlog
 from numaserve.config import AdminConfig
 from numaserve.errors import NumaserveError
 
-# uvicorn, prometheus_client and the collector are imported when the endpoint
-# starts, not by every CLI command that reads the config.
+# uvicorn is imported when the endpoint starts, not by every CLI command that reads
+# the config; prometheus_client and the collector at the first /metrics request.
 
 __all__ = [
     "AdminConfig",
@@ -110,12 +110,13 @@ def _json(status: int, body: Mapping[str, Any]) -> tuple[int, bytes, bytes]:
 
 def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: float = HEARTBEAT_STALE_S,
               cpu_node: Mapping[int, int] | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The ASGI app (plain ASGI: no framework in the supervisor)."""
-    from numaserve.supervisor.metrics import (
-        NumaserveCollector,
-        make_registry,
-        unready_slots,
-    )
+    """The ASGI app (plain ASGI: no framework in the supervisor).
+
+    The metrics stack (prometheus_client and the collector, ~2 MB of the supervisor's
+    private memory) is imported at the first ``/metrics`` request, not at start: a
+    supervisor nothing scrapes never pays for it.  ``/readyz`` and ``/healthz`` need none of it.
+    """
+    from numaserve.supervisor.readiness import unready_slots
 
     def snapshot() -> dict[str, Any]:
         snap = sup.status()
@@ -124,15 +125,18 @@ def build_app(sup: SupervisorView, heartbeat: LoopHeartbeat, *, stale_after: flo
             sv["loop_heartbeat_age_s"] = round(heartbeat.age(), 3)
         return snap
 
-    collector = NumaserveCollector(snapshot, cpu_node=cpu_node)
-    registry = make_registry(collector)
+    registry: list[Any] = []  # built at the first scrape, then kept (the collector's high-water marks)
 
     def metrics() -> tuple[int, bytes, bytes]:
         from prometheus_client import exposition
 
+        if not registry:
+            from numaserve.supervisor.metrics import NumaserveCollector, make_registry
+
+            registry.append(make_registry(NumaserveCollector(snapshot, cpu_node=cpu_node)))
         # every name is a classic one, so the 0.0.4 text format that every Prometheus reads
         ctype = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
-        return 200, exposition.generate_latest(registry), ctype.encode()
+        return 200, exposition.generate_latest(registry[0]), ctype.encode()
 
     def healthz() -> tuple[int, bytes, bytes]:
         age = heartbeat.age()

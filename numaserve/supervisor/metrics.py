@@ -31,6 +31,7 @@ from prometheus_client.utils import floatToGoString
 
 from numaserve import __version__
 from numaserve.supervisor import slots as S
+from numaserve.supervisor.readiness import unready_slots
 from numaserve.worker.stats import BUCKET_UPPER_MS
 
 __all__ = [
@@ -116,24 +117,6 @@ def rebucket(fine_counts: Sequence[float], targets_ms: Sequence[float] = STANDAR
             cum += fine_counts[i]
             i += 1
         out.append(cum)
-    return out
-
-
-def unready_slots(snapshot: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Slots that should serve but do not: every non-drained slot not ``ready``.
-
-    Also one pseudo-entry when no slot serves at all (everything drained), so a
-    load balancer never sends traffic to an instance that cannot take it.
-    """
-    slots = [s for s in (snapshot.get("slots") or []) if isinstance(s, Mapping)]
-    out = [
-        {"slot": s.get("slot"), "node": s.get("node"), "state": s.get("state"),
-         "reason": s.get("failed_reason") or s.get("last_exit")}
-        for s in slots
-        if not s.get("drained") and s.get("state") != S.DRAINED and s.get("state") != S.READY
-    ]
-    if not out and not any(s.get("state") == S.READY for s in slots):
-        out.append({"slot": None, "node": None, "state": "none", "reason": "no slot is serving"})
     return out
 
 

@@ -86,15 +86,11 @@ class Zygote(RequestLoop):
         self.forks = 0
 
     def boot(self) -> None:
-        from numaserve.worker.template import lower_priority
+        from numaserve.worker.template import BootPriority
 
         t0 = time.monotonic()
-        lowered = lower_priority(self.spec.boot_nice)
-        try:
+        with BootPriority(self.spec.boot_nice):
             _preimport(WORKER_MODULES)
-        finally:
-            if lowered is not None:
-                os.setpriority(os.PRIO_PROCESS, 0, lowered)
         gc.collect()
         if self.spec.gc_freeze:
             gc.freeze()
