@@ -815,3 +815,39 @@ def test_control_plane_metrics() -> None:
     assert value(text, "numaserve_supervisor_fd_limit") == 256
     assert value(text, "numaserve_supervisor_fd_exhausted_total") == 2
     assert value(text, "numaserve_ops_rate_limited_total") == 7
+
+
+def test_the_metrics_stack_is_imported_at_the_first_scrape_not_at_start() -> None:
+    """/readyz and /healthz answer without prometheus_client; the first /metrics loads it,
+    and later scrapes reuse one collector (its counters' high-water marks)."""
+    code = r'''
+import asyncio, sys
+import httpx
+from numaserve.supervisor.admin import LoopHeartbeat, build_app
+
+class Sup:
+    stopping = False
+    state = "running"
+    def status(self):
+        return {"supervisor": {"state": "running"}, "slots": [{"slot": 0, "node": 0, "state": "ready"}]}
+
+async def main():
+    app = build_app(Sup(), LoopHeartbeat(), cpu_node={})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin") as c:
+        assert (await c.get("/readyz")).status_code == 200
+        assert (await c.get("/healthz")).status_code == 200
+        assert "prometheus_client" not in sys.modules, "imported before any scrape"
+        assert "numaserve.supervisor.metrics" not in sys.modules
+        r1 = await c.get("/metrics")
+        r2 = await c.get("/metrics")
+        assert r1.status_code == r2.status_code == 200
+        assert "numaserve_slot_state" in r1.text and "numaserve_slot_state" in r2.text
+        assert "prometheus_client" in sys.modules
+asyncio.run(main())
+print("ok")
+'''
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -199,6 +200,72 @@ def test_a_lowered_priority_is_only_taken_when_it_can_be_restored() -> None:
     assert not can_restore_priority(0, 0, 0)                        # default RLIMIT_NICE 0: nice 0 is out of reach
     assert can_restore_priority(0, 0, 20) and not can_restore_priority(0, 0, 19)
     assert can_restore_priority(5, 0, 15)                           # back to nice 5 needs 20 - 5
+
+
+def _in_child(body: Callable[[], int]) -> int:
+    """Run ``body`` in a forked child (the test process's own scheduling is never touched)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_boot_priority_runs_idle_then_nice_and_restores_everything() -> None:
+    def body() -> int:
+        before_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        old_handler = signal.getsignal(signal.SIGALRM)
+        with T.BootPriority(10, idle_s=0.05) as bp:
+            if bp.restore_nice is None:  # this environment cannot restore a priority: nothing changed
+                return 0 if (os.getpriority(os.PRIO_PROCESS, 0) == before_nice
+                             and os.sched_getscheduler(0) == os.SCHED_OTHER) else 2
+            if os.sched_getscheduler(0) != os.SCHED_IDLE or not bp.idle:
+                return 3
+            deadline = time.monotonic() + 2.0
+            while bp.idle and time.monotonic() < deadline:  # the timer ends the idle phase
+                sum(range(10000))
+            if bp.idle or os.sched_getscheduler(0) != os.SCHED_OTHER:
+                return 4
+            if os.getpriority(os.PRIO_PROCESS, 0) != min(19, before_nice + 10):
+                return 5  # the bounded fallback: still lowered by nice
+        if os.sched_getscheduler(0) != os.SCHED_OTHER or os.getpriority(os.PRIO_PROCESS, 0) != before_nice:
+            return 6
+        if signal.getsignal(signal.SIGALRM) != old_handler or signal.getitimer(signal.ITIMER_REAL)[0] != 0:
+            return 7
+        return 0
+
+    assert _in_child(body) == 0
+
+
+def test_boot_priority_left_early_disarms_its_timer_and_zero_changes_nothing() -> None:
+    def body() -> int:
+        with T.BootPriority(0) as bp:
+            if bp.restore_nice is not None or bp.idle or os.sched_getscheduler(0) != os.SCHED_OTHER:
+                return 2
+        with T.BootPriority(10, idle_s=30.0):
+            pass  # a boot shorter than the idle bound
+        if signal.getitimer(signal.ITIMER_REAL)[0] != 0 or os.sched_getscheduler(0) != os.SCHED_OTHER:
+            return 3
+        return 0
+
+    assert _in_child(body) == 0
+
+
+def test_boot_priority_leaves_a_policy_it_did_not_set_alone() -> None:
+    def body() -> int:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            return 0
+        with T.BootPriority(10, idle_s=0.05) as bp:
+            if bp.idle or os.sched_getscheduler(0) != os.SCHED_BATCH:
+                return 2
+        return 0 if os.sched_getscheduler(0) == os.SCHED_BATCH else 3
+
+    assert _in_child(body) == 0
 
 
 def test_lower_priority_restores_to_the_value_it_returns() -> None:
