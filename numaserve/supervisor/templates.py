@@ -54,6 +54,7 @@ from numaserve.supervisor.workerproc import (
 )
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
 from numaserve.worker.template import (
+    BOOT_IDLE_S,
     TEMPLATE_SPEC_ENV,
     TemplateSpec,
     recv_msg,
@@ -363,11 +364,37 @@ class TemplateManager:
             self._schedule_restart(nt, time.monotonic(), "spawn failed")
             return None
         self._watch(t, parent)
+        if nice:
+            self._bound_boot_idle(t)
         log.info("template_spawn", node=nt.node, generation=t.generation, pid=t.pid, cpus=list(cpus),
                  mempolicy=first.mempolicy, memory_nodes=list(first.memory_nodes),
                  app=cfg.server.app or "numaserve.apps.demo:app", preload=cfg.worker.preload or None,
                  forked_from=t.forked_from)
         return t
+
+    def _bound_boot_idle(self, t: TemplateProc) -> None:
+        """End a booting template's SCHED_IDLE phase from outside after ``BOOT_IDLE_S`` (and again later).
+
+        The template arms its own timer, but a SCHED_IDLE process on CPUs with no idle time
+        barely runs, so its own SIGALRM handler may run late; the supervisor is not starved.
+        It only leaves SCHED_IDLE (nice +10 stays until the template restores its priority).
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for delay in (BOOT_IDLE_S, 2 * BOOT_IDLE_S):  # the second covers a fork that took longer
+            loop.call_later(delay, self._end_boot_idle, t)
+
+    @staticmethod
+    def _end_boot_idle(t: TemplateProc) -> None:
+        if t.state != STARTING or not hasattr(os, "SCHED_IDLE"):
+            return
+        try:
+            if os.sched_getscheduler(t.pid) == os.SCHED_IDLE:
+                os.sched_setscheduler(t.pid, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            pass  # gone, or not ours to change: its own timer still ends the phase
 
     def _fork_template(self, nt: NodeTemplate, z: TemplateProc, cfg: Config, spec: dict[str, Any],
                        env: dict[str, str], cpus: tuple[int, ...], first: SlotPlan,

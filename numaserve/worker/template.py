@@ -493,7 +493,7 @@ def lower_priority(by: int) -> int | None:
 
 #: How long a boot that yields to serving workers may run at SCHED_IDLE (only on CPU time they
 #: leave) before it falls back to ``nice +boot_nice``, so a saturated node still gets its template.
-BOOT_IDLE_S = 0.15
+BOOT_IDLE_S = 0.1
 
 
 class BootPriority:
@@ -506,7 +506,9 @@ class BootPriority:
     ``idle_s`` (a SIGALRM timer: a template must not start a thread) it falls back to
     ``nice +by``, so a node with no idle time still gets its template.  Nothing changes when
     ``by`` is 0 or the priority could not be restored afterwards (``lower_priority``):
-    whatever is forked after the boot runs at the usual priority.
+    whatever is forked after the boot runs at the usual priority.  The supervisor also ends
+    the idle phase from outside (``TemplateManager._bound_boot_idle``): a starved process runs its
+    own signal handler late.
     """
 
     def __init__(self, by: int, idle_s: float = BOOT_IDLE_S) -> None:
@@ -541,9 +543,11 @@ class BootPriority:
 
     def __exit__(self, *_: object) -> None:
         if self._old_alarm is not None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            if signal.getsignal(signal.SIGALRM) == self._leave_idle:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, self._old_alarm)
+            # else the app's import installed its own SIGALRM handler (and maybe a timer): theirs
             self._leave_idle()
-            signal.signal(signal.SIGALRM, self._old_alarm)
             self._old_alarm = None
         if self.restore_nice is not None:
             try:

@@ -254,6 +254,18 @@ def test_boot_priority_left_early_disarms_its_timer_and_zero_changes_nothing() -
     assert _in_child(body) == 0
 
 
+def test_boot_priority_keeps_an_alarm_handler_the_app_installed() -> None:
+    def body() -> int:
+        def apps(*_: object) -> None:
+            pass
+
+        with T.BootPriority(10, idle_s=30.0):
+            signal.signal(signal.SIGALRM, apps)  # the app's import wants SIGALRM for itself
+        return 0 if signal.getsignal(signal.SIGALRM) is apps and os.sched_getscheduler(0) == os.SCHED_OTHER else 2
+
+    assert _in_child(body) == 0
+
+
 def test_boot_priority_leaves_a_policy_it_did_not_set_alone() -> None:
     def body() -> int:
         try:
@@ -326,3 +338,36 @@ def test_a_template_generation_is_forked_from_the_zygote_only_when_it_matches() 
     assert tm.zygote_mismatch(z, dict(env, NUMASERVE_SLOT="1"), (0, 1), plan, "/app") is None
     z.state = STARTING
     assert tm.zygote_mismatch(z, env, (0, 1), plan, "/app") == "zygote is starting"
+
+
+def test_the_supervisor_ends_a_starting_templates_idle_phase_from_outside() -> None:
+    """A SCHED_IDLE template on busy CPUs runs its own timer late; the supervisor's bound does not wait."""
+    from types import SimpleNamespace
+
+    from numaserve.supervisor.templates import STARTING, TemplateManager
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.write(w, b"1")
+        except OSError:
+            os.write(w, b"0")
+        time.sleep(5)
+        os._exit(0)
+    os.close(w)
+    try:
+        if os.read(r, 1) != b"1":
+            pytest.skip("SCHED_IDLE not available here")
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        TemplateManager._end_boot_idle(SimpleNamespace(pid=pid, state="ready"))  # not booting: left alone
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        TemplateManager._end_boot_idle(SimpleNamespace(pid=pid, state=STARTING))
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    TemplateManager._end_boot_idle(SimpleNamespace(pid=pid, state=STARTING))  # gone: no error
