@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
 from typing import Any, Callable, Protocol
 
 import zmq
@@ -32,11 +33,43 @@ from numaserve.control.messages import (
 )
 
 __all__ = [
+    "BEAT_PHASE_STEP_S",
     "CommandDispatcher",
     "ControlChannel",
     "WorkerActions",
+    "beat_phase",
+    "next_beat_due",
     "worker_identity",
 ]
+
+#: Heartbeat phase per slot (``beat_phase``): 32 slots spread over 3.2 ms, so the
+#: workers of one interval do not all wake on the same tick of the clock (2 CPUs
+#: would run them one after another anyway) and the supervisor still reads the
+#: whole interval's beats in one wake-up (its coalescing window is longer).
+BEAT_PHASE_STEP_S = 0.0001
+_BEAT_PHASE_SLOTS = 64
+
+
+def beat_phase(slot: int) -> float:
+    """Offset of this slot's beats from the interval grid, seconds (small: see ``BEAT_PHASE_STEP_S``)."""
+    return (slot % _BEAT_PHASE_SLOTS) * BEAT_PHASE_STEP_S
+
+
+def next_beat_due(now: float, interval: float, phase: float = 0.0) -> float:
+    """The first point after ``now`` on the grid ``k * interval + phase`` (CLOCK_MONOTONIC).
+
+    Every process on the host reads the same monotonic clock, so workers that
+    beat on the grid send one interval's beats within a few milliseconds of
+    each other and the supervisor drains them in one wake-up instead of one
+    wake-up per worker spread over the second.  A beat that came late (a
+    blocked loop) is followed by the next grid point, never by more than one
+    interval of silence.
+    """
+    if not (interval > 0.0 and math.isfinite(interval)):
+        raise ValueError(f"heartbeat interval must be a positive number of seconds, got {interval!r}")
+    k = math.floor((now - phase) / interval) + 1
+    due = k * interval + phase
+    return due if due > now else due + interval
 
 
 def worker_identity(slot: int, generation: int, pid: int) -> bytes:

@@ -135,3 +135,39 @@ def test_post_never_blocks_when_nobody_listens() -> None:
         assert results.count(False) >= 40 and chan.dropped == results.count(False)
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------ heartbeat grid
+
+
+def test_beats_fall_on_the_shared_grid_after_now() -> None:
+    from numaserve.worker.control import beat_phase, next_beat_due
+
+    assert next_beat_due(10.2, 1.0) == 11.0
+    assert next_beat_due(11.0, 1.0) == 12.0                 # strictly after now: never a zero sleep
+    assert next_beat_due(10.2, 1.0, 0.003) == pytest.approx(11.003)
+    assert next_beat_due(11.001, 1.0, 0.003) == pytest.approx(11.003)
+    late = next_beat_due(13.95, 1.0)                      # a beat that came 2.95 s late (blocked loop)
+    assert late == 14.0 and late - 13.95 <= 1.0           # the next one is due within one interval
+    for now in (0.0, 0.37, 5.99, 1234.5678):
+        for interval in (0.25, 1.0, 2.5):
+            due = next_beat_due(now, interval, beat_phase(7))
+            assert now < due <= now + interval + 1e-9
+    # workers of different slots beat within a few ms of each other, so one read takes them all
+    phases = [beat_phase(s) for s in range(64)]
+    assert len(set(phases)) == 64 and max(phases) < 0.01
+    with pytest.raises(ValueError):
+        next_beat_due(1.0, 0.0)
+
+
+def test_unchanged_stats_stay_off_the_beat_but_are_refreshed() -> None:
+    from numaserve.worker.stats import StatsDedup
+
+    d = StatsDedup(refresh=3)
+    assert d.due(b"a")                    # first: sent
+    assert not d.due(b"a")                # the same: skipped
+    assert not d.due(b"a")
+    assert d.due(b"a")                    # every 3rd call anyway (a dropped message is caught up)
+    assert d.due(b"b")                    # changed: at once
+    assert not d.due(b"b")
+    assert d.skipped_total == 3
