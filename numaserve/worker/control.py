@@ -48,6 +48,7 @@ __all__ = [
 #: whole interval's beats in one wake-up (its coalescing window is longer).
 BEAT_PHASE_STEP_S = 0.0001
 _BEAT_PHASE_SLOTS = 64
+_MIN_BEAT_GAP = 0.8      # of an interval: how a late beat gets back onto the grid
 
 
 def beat_phase(slot: int) -> float:
@@ -56,20 +57,23 @@ def beat_phase(slot: int) -> float:
 
 
 def next_beat_due(now: float, interval: float, phase: float = 0.0) -> float:
-    """The first point after ``now`` on the grid ``k * interval + phase`` (CLOCK_MONOTONIC).
+    """When the beat after one sent at ``now`` is due: the next point of the grid
+    ``k * interval + phase`` (CLOCK_MONOTONIC), but never less than 0.8 and never
+    more than 1 interval away.
 
     Every process on the host reads the same monotonic clock, so workers that
     beat on the grid send one interval's beats within a few milliseconds of
     each other and the supervisor drains them in one wake-up instead of one
     wake-up per worker spread over the second.  A beat that came late (a
-    blocked loop) is followed by the next grid point, never by more than one
-    interval of silence.
+    blocked loop) is not followed by a second one at once: the next ones come
+    0.8 interval apart until they are back on the grid.  Never more than one
+    interval, so hang detection (``unresponsive_after`` > one interval) reads
+    silence exactly as before.
     """
     if not (interval > 0.0 and math.isfinite(interval)):
         raise ValueError(f"heartbeat interval must be a positive number of seconds, got {interval!r}")
-    k = math.floor((now - phase) / interval) + 1
-    due = k * interval + phase
-    return due if due > now else due + interval
+    gap = interval - (now - phase) % interval
+    return now + max(gap, _MIN_BEAT_GAP * interval)
 
 
 def worker_identity(slot: int, generation: int, pid: int) -> bytes:
