@@ -231,6 +231,6 @@ class WorkerChannel:
                 for key, (_, w, _), res in zip(keys, targets, results)}
 
 
-def _done(fut: "asyncio.Future[None]") -> None:
+def _done(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
