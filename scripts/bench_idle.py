@@ -3,6 +3,7 @@
 
     flock /tmp/numaserve-heavy.lock scripts/bench_idle.py                 # 32 workers, 30 s idle, 100 pushes
     flock /tmp/numaserve-heavy.lock scripts/bench_idle.py --profile p.txt # + a py-spy profile of the idle supervisor
+    flock /tmp/numaserve-heavy.lock scripts/bench_idle.py --baseline ../base --rounds 2   # before/after, alternating
 
 One numaserve start with ``--workers-per-node W`` (the 32-worker rows of
 docs/benchmarks.md § 1b / § 5), every default on.  Measured on the
@@ -10,15 +11,21 @@ supervising process only:
 
 - idle CPU: ``psutil`` user+system delta over the window, after a settling
   pause (spawns and first checks out of it), as a % of one CPU;
+- the same CPU split by thread: the Python (asyncio) thread and the rest
+  (libzmq's I/O thread, the admin server's), which a py-spy profile of
+  Python frames does not see;
 - optionally a ``py-spy record`` of the idle supervisor (raw folded stacks)
   over a second window, so the profile does not disturb the number;
 - ``ping`` round trip (the ops client's floor: connect, request, reply);
 - ``ratelimit set`` round trips: the reply comes once every worker acknowledged
   the new epoch (``benchlib.scen_overhead.control_latency``, which also checks
   that ``ratelimit show`` agrees), paced to stay under the ops rate limit, and
-  the supervisor's CPU per push.
+  the supervisor's CPU per push; beside it the fan-out the supervisor reports
+  (``acked_in_ms``: first Command sent to last Ack read).
 
-To compare two checkouts, run this script from each one in the same lock hold.
+``--baseline DIR`` runs a second source tree (e.g. ``git worktree add ../base
+main``) the same way, alternating with this one ``--rounds`` times, so the
+before/after pair shares the machine's load.
 """
 
 from __future__ import annotations
@@ -52,16 +59,24 @@ def _cpu(p: psutil.Process) -> float:
     return t.user + t.system
 
 
-def run(workers: int, window: float, pushes: int, profile: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"workers": workers, "window_s": window, "pushes": pushes}
-    with Server(ServerConfig("numaserve", workers=workers)).start() as srv:
+def _threads(p: psutil.Process) -> dict[int, float]:
+    return {t.id: t.user_time + t.system_time for t in p.threads()}
+
+
+def run(workers: int, window: float, pushes: int, profile: str | None, checkout: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {"checkout": checkout or "this", "workers": workers, "window_s": window, "pushes": pushes}
+    with Server(ServerConfig("numaserve", workers=workers, checkout=checkout)).start() as srv:
         srv.wait_ready(timeout=300.0)
         time.sleep(5.0)
         p = psutil.Process(srv.master_pid)
-        a, t0 = _cpu(p), time.monotonic()
+        a, ta, t0 = _cpu(p), _threads(p), time.monotonic()
         time.sleep(window)
-        used, dt = _cpu(p) - a, time.monotonic() - t0
+        used, tb, dt = _cpu(p) - a, _threads(p), time.monotonic() - t0
         out["supervisor_idle_cpu_pct"] = round(100.0 * used / dt, 3)
+        main = tb.get(p.pid, 0.0) - ta.get(p.pid, 0.0)   # the main thread's id is the pid
+        out["supervisor_idle_cpu_pct_python_thread"] = round(100.0 * main / dt, 3)
+        out["supervisor_idle_cpu_pct_other_threads"] = round(
+            100.0 * (sum(tb.values()) - sum(ta.get(t, 0.0) for t in tb) - main) / dt, 3)
         if profile:
             if shutil.which("py-spy") is None:
                 out["profile"] = "py-spy not installed"
@@ -78,14 +93,17 @@ def run(workers: int, window: float, pushes: int, profile: str | None) -> dict[s
             time.sleep(0.03)
         out["ping_p50_ms"], out["ping_p99_ms"] = _pct(pings, 0.5), _pct(pings, 0.99)
         lat: list[float] = []
+        fan: list[float] = []
         failed = 0
         a = _cpu(p)
         for i in range(pushes):
-            d, _ = control_latency(srv, 8 + i % 8, workers)
+            d, _, f = control_latency(srv, 8 + i % 8, workers)
             if d is None:
                 failed += 1
             else:
                 lat.append(d)
+            if f is not None:
+                fan.append(f)
             time.sleep(0.08)   # 3 ops requests per push: stay under the per-client ops rate limit
         out["supervisor_cpu_ms_per_push"] = round((_cpu(p) - a) / pushes * 1000.0, 2)  # incl. 2 ratelimit show
         srv.ops("ratelimit_auto", {}, timeout=10.0)
@@ -93,6 +111,8 @@ def run(workers: int, window: float, pushes: int, profile: str | None) -> dict[s
         if lat:
             out.update(ratelimit_set_p50_ms=_pct(lat, 0.5), ratelimit_set_p99_ms=_pct(lat, 0.99),
                        ratelimit_set_min_ms=round(min(lat) * 1000.0, 2))
+        if fan:
+            out.update(fanout_p50_ms=_pct(fan, 0.5), fanout_p99_ms=_pct(fan, 0.99))
     out["loadavg"] = [round(x, 2) for x in psutil.getloadavg()]
     return out
 
@@ -103,8 +123,14 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=30.0, help="idle window, seconds")
     ap.add_argument("--pushes", type=int, default=100, help="ratelimit set round trips (and pings)")
     ap.add_argument("--profile", help="write a py-spy raw profile of the idle supervisor here")
+    ap.add_argument("--baseline", default="", help="another numaserve source tree, run alternately with this one")
+    ap.add_argument("--rounds", type=int, default=1, help="with --baseline: how many before/after pairs")
     args = ap.parse_args()
-    print(json.dumps(run(args.workers, args.window, args.pushes, args.profile)))
+    trees = [""] + ([str(Path(args.baseline).resolve())] if args.baseline else [])
+    for r in range(args.rounds if args.baseline else 1):
+        for tree in (trees if r % 2 == 0 else trees[::-1]):
+            prof = f"{args.profile}.{'base' if tree else 'this'}.{r}" if args.profile and args.baseline else args.profile
+            print(json.dumps(run(args.workers, args.window, args.pushes, prof, tree)), flush=True)
     return 0
 
 

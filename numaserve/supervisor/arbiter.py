@@ -84,6 +84,12 @@ from numaserve.supervisor.templates import TemplateManager
 log = structlog.get_logger("numaserve.supervisor")
 
 TICK = 0.2
+#: The tick while every slot is settled (``SlotState.settled``): nothing to restart,
+#: stop or hand over, so the loop wakes for SIGCHLD, messages and the deadlines
+#: it knows (the first heartbeat that could go missing, the systemd watchdog);
+#: the per-second duties (memory, fds, stats) keep their pace.  Half a second
+#: keeps /healthz's loop age well under a second.
+IDLE_TICK = 0.5
 OPS_RO_BACKEND = "ops-ro-backend.sock"    # libzmq side of the read-only front door
 OPS_TCP_BACKEND = "ops-tcp-backend.sock"  # libzmq (CURVE) side of the TCP front door
 EVENTS_BACKEND = "events-backend.sock"    # libzmq PUB behind the events.sock front door
@@ -284,7 +290,7 @@ class Supervisor:
         self._spawn_all()
         try:
             while not self._tick(time.monotonic()):
-                await self._sleep()
+                await self._sleep(self._tick_in(time.monotonic()))
         finally:
             await self._shutdown()
         return self._exit_status()
@@ -365,11 +371,34 @@ class Supervisor:
         self._notify(now)
         self._publish_stats(now)
 
-    async def _sleep(self) -> None:
-        """Until the next tick (<= TICK), or earlier when SIGCHLD or a message wakes the loop."""
+    def _tick_in(self, now: float) -> float:
+        """Seconds to the next tick: TICK while anything is in motion, else up to IDLE_TICK.
+
+        Settled, the next tick still comes no later than the moment the
+        oldest heartbeat would make its worker unresponsive, so leaving
+        steering is as prompt as with the short tick.
+        """
+        if self.stopping or self.state not in ("running", "degraded") or self.cmd_ready.tasks:
+            return TICK
+        if any(nt.next_start is not None for nt in self.templates.nodes.values()):
+            return TICK
+        oldest = now
+        for slot in self.slots.values():
+            if not slot.settled():
+                return TICK
+            beat = slot.worker.last_beat  # type: ignore[union-attr]  (settled: a serving worker that beat)
+            if beat is not None and beat < oldest:
+                oldest = beat
+        due = oldest + self.unresponsive_after() + 0.005 - now
+        wd = self.notifier.watchdog_interval
+        limit = min(IDLE_TICK, wd / 4.0) if wd else IDLE_TICK
+        return max(0.01, min(limit, due))
+
+    async def _sleep(self, timeout: float = TICK) -> None:
+        """Until the next tick (``timeout``), or earlier when SIGCHLD or a message wakes the loop."""
         self.wake.clear()
         try:
-            await asyncio.wait_for(self.wake.wait(), TICK)
+            await asyncio.wait_for(self.wake.wait(), timeout)
         except asyncio.TimeoutError:
             pass
 

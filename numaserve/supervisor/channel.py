@@ -21,14 +21,23 @@ from numaserve.control import messages as m
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S
 
-__all__ = ["RECV_BATCH", "WorkerChannel"]
+__all__ = ["COALESCE_S", "RECV_BATCH", "WorkerChannel"]
 
 log = structlog.get_logger("numaserve.supervisor")
 
 #: Messages taken from the socket per wake-up before yielding to the event loop:
-#: a burst (32 Acks of one command) costs one pass, not 32, and the supervision
-#: loop still runs between batches.
-RECV_BATCH = 64
+#: a burst (32 Acks of one command, one interval's heartbeats) costs one pass,
+#: not 32, and the supervision loop still runs between batches.
+RECV_BATCH = 256
+
+#: After a batch, while no command waits for its Acks, the channel lets the
+#: socket fill for this long before it reads again: workers beat on a shared
+#: grid (``numaserve.worker.control.next_beat_due``), so one interval's beats
+#: arrive within a few ms and are read in one or two wake-ups instead of 32.
+#: A command sent meanwhile ends the pause at once (``_hurry``), so Acks are
+#: never held; Hello/Ready/Goodbye wait at most this long (a start-up, a
+#: restart is hundreds of ms).
+COALESCE_S = 0.02
 
 
 class WorkerChannel:
@@ -41,9 +50,14 @@ class WorkerChannel:
         self.sticky: dict[str, dict[str, Any]] = {}
         self._sync: zmq.Socket | None = None
         self._sync_of: zmq.asyncio.Socket | None = None
+        self.coalesce_s = COALESCE_S
+        self._hurry: asyncio.Future[None] | None = None   # set while serve() pauses to coalesce
+        self.wakeups = 0          # receive passes (each: one wake-up of the loop for this socket)
+        self.received = 0         # messages read
 
     async def serve(self, handler: cp.WorkerMessages) -> None:
-        """Receive worker messages for good: one awaited, then what else is queued (up to a batch), then a yield."""
+        """Receive worker messages for good: one awaited, then what else is queued (until EAGAIN, up to a
+        batch), then a pause to let the rest of the burst queue up (``COALESCE_S``, none while Acks are awaited)."""
         sock = self.sock
         assert sock is not None
         sync = self._sync_sock()
@@ -56,14 +70,39 @@ class WorkerChannel:
                 log.warning("control_recv_error", error=str(e))
                 await asyncio.sleep(0.05)
                 continue
+            self.wakeups += 1
+            n = 1
             cp.on_control_frames(handler, frames)
             for _ in range(RECV_BATCH - 1):
                 try:
                     frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.ZMQError:   # EAGAIN: queue empty (the awaited recv re-checks before it waits)
                     break
+                n += 1
                 cp.on_control_frames(handler, frames)
-            await asyncio.sleep(0)
+            self.received += n
+            if self._acks or self.coalesce_s <= 0 or n >= RECV_BATCH:
+                await asyncio.sleep(0)
+            else:
+                await self._pause(self.coalesce_s)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds`` unless a command is sent meanwhile (``_hurry_up``)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._hurry = fut
+        timer = loop.call_later(seconds, _done, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._hurry = None
+
+    def _hurry_up(self) -> None:
+        """A command expects Acks: read them as they come, not after the coalescing pause."""
+        fut = self._hurry
+        if fut is not None:
+            _done(fut)
 
     def _sync_sock(self) -> zmq.Socket:
         """The same libzmq socket without the asyncio layer, for sends and receives that never wait.
@@ -106,6 +145,7 @@ class WorkerChannel:
         cid = uuid.uuid4().hex[:12]
         fut: asyncio.Future[m.Ack] = asyncio.get_running_loop().create_future()
         self._acks[(cid, slot.plan.slot, w.generation)] = fut
+        self._hurry_up()
         await self._send(w, m.Command(id=cid, name=name, args=args))
         try:
             ack = await asyncio.wait_for(fut, timeout)
@@ -152,6 +192,8 @@ class WorkerChannel:
             self.sock.get(zmq.EVENTS)   # what the direct sends consumed, for the asyncio layer
         pending = [f for f in futs if f is not None]
         if pending:
+            self._hurry_up()
+        if pending:
             await asyncio.wait(pending, timeout=timeout)
         out: list[dict[str, Any]] = []
         for (slot, w, _), fut in zip(targets, futs):
@@ -187,3 +229,8 @@ class WorkerChannel:
         results = await self.command_each(targets, name, timeout=timeout)
         return {key: {"pid": w.pid, "generation": w.generation, **res}
                 for key, (_, w, _), res in zip(keys, targets, results)}
+
+
+def _done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -65,6 +65,9 @@ class LimitsManager:
         self.current: dict[int, SlotLimits] = {}
         self.epochs: dict[int, int] = {}
         self.acked: dict[int, int | None] = {}   # epoch each slot's worker acknowledged
+        # (slot, generation) -> (args, when) of the last periodic push: the same limits are
+        # re-sent only to renew the lease (``renew_due``), not every loop interval
+        self._pushed: dict[tuple[int, int], tuple[dict[str, Any], float]] = {}
         self.reasons: dict[int, str] = {}
         self.last_decision: dict[int, dict[str, Any]] = {}
         self._prev: dict[tuple[int, int], dict[str, Any]] = {}
@@ -215,6 +218,7 @@ class LimitsManager:
             for w in (st.worker, st.incoming):
                 if w is not None and w.identity is not None and not w.external and w.popen.poll() is None:
                     waits.append((slot, w, args))
+                    self._pushed[(slot, w.generation)] = (args, time.monotonic())
         results = await self.ctl.command_each(waits, "set_limits", timeout=timeout) if waits else []
         out: dict[str, Any] = {}
         for (slot, w, _), res in zip(waits, results):
@@ -232,18 +236,35 @@ class LimitsManager:
                 "lease_s": s.lease_s, "safe_concurrency": s.safe_concurrency}
 
     def push(self, slot: int) -> None:
+        """The slot's limits to its workers: at once when they changed, else only to renew the lease.
+
+        The loop decides every ``interval_s`` (3 s) and mostly decides the
+        same; re-sending unchanged limits then cost 32 Commands and 32 Acks
+        (and 32 worker wake-ups) per interval for nothing but the lease.
+        """
         args = self.args_for(slot)
         st = self.ctl.slots.get(slot)
         if args is None or st is None:
             return
+        now = time.monotonic()
         for w in (st.worker, st.incoming):
-            if w is not None:
-                self.ctl.send_command(w, "set_limits", args)
+            if w is None:
+                continue
+            key = (slot, w.generation)
+            last = self._pushed.get(key)
+            if last is not None and not renew_due(last[0], args, last[1], now):
+                continue
+            self._pushed[key] = (args, now)
+            self.ctl.send_command(w, "set_limits", args)
+        if len(self._pushed) > 4 * max(1, len(self.ctl.slots)):   # generations come and go
+            live = {(n, w.generation) for n, sl in self.ctl.slots.items() for w in sl.workers()}
+            self._pushed = {k: v for k, v in self._pushed.items() if k in live}
 
     def on_hello(self, slot: SlotState, w: WorkerProc) -> None:
         """A new worker starts at its slot's current epoch."""
         args = self.args_for(slot.plan.slot)
         if args is not None:
+            self._pushed[(slot.plan.slot, w.generation)] = (args, time.monotonic())
             self.ctl.send_command(w, "set_limits", args)
 
     # --------------------------------------------------------------- operator
@@ -309,3 +330,15 @@ def _gate_summary(gate: dict[str, Any]) -> dict[str, Any]:
             "other_threads_cpu", "request_cpu_s",
             "client_gone", "shed", "sentinel", "codel_overloaded", "queued")
     return {k: gate[k] for k in keys if k in gate}
+
+
+def renew_due(sent: dict[str, Any], args: dict[str, Any], sent_at: float, now: float) -> bool:
+    """Whether limits ``args`` must be pushed, ``sent`` having gone out at ``sent_at``.
+
+    Changed limits go at once; the same ones when half their lease is gone,
+    so a lost push is retried (next loop interval) well before the lease ends.
+    """
+    if args != sent:
+        return True
+    lease = args.get("lease_s")
+    return not isinstance(lease, (int, float)) or now - sent_at >= lease / 2.0

@@ -166,6 +166,16 @@ class SlotState:
             yield self.incoming
         yield from list(self.retiring)
 
+    def settled(self) -> bool:
+        """One serving worker and nothing in motion: no start, restart, stop, drain, hand-over or
+        missed heartbeats that the supervision loop must time to a fraction of a second."""
+        w = self.worker
+        return (self.state == READY and not self.drained and self.incoming is None and not self.retiring
+                and self.operation is None and w is not None and not w.external and w.ready is not None
+                and w.hello is not None and w.verified_at is not None and w.last_beat is not None
+                and w.stop_sent is None and w.abort_sent is None and w.kill_sent is None
+                and w.unresponsive_since is None)
+
     def find(self, generation: int) -> WorkerProc | None:
         for w in self.workers():
             if w.generation == generation:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
 from typing import Any, Callable, Protocol
 
 import zmq
@@ -32,11 +33,47 @@ from numaserve.control.messages import (
 )
 
 __all__ = [
+    "BEAT_PHASE_STEP_S",
     "CommandDispatcher",
     "ControlChannel",
     "WorkerActions",
+    "beat_phase",
+    "next_beat_due",
     "worker_identity",
 ]
+
+#: Heartbeat phase per slot (``beat_phase``): 32 slots spread over 3.2 ms, so the
+#: workers of one interval do not all wake on the same tick of the clock (2 CPUs
+#: would run them one after another anyway) and the supervisor still reads the
+#: whole interval's beats in one wake-up (its coalescing window is longer).
+BEAT_PHASE_STEP_S = 0.0001
+_BEAT_PHASE_SLOTS = 64
+_MIN_BEAT_GAP = 0.8      # of an interval: how a late beat gets back onto the grid
+
+
+def beat_phase(slot: int) -> float:
+    """Offset of this slot's beats from the interval grid, seconds (small: see ``BEAT_PHASE_STEP_S``)."""
+    return (slot % _BEAT_PHASE_SLOTS) * BEAT_PHASE_STEP_S
+
+
+def next_beat_due(now: float, interval: float, phase: float = 0.0) -> float:
+    """When the beat after one sent at ``now`` is due: the next point of the grid
+    ``k * interval + phase`` (CLOCK_MONOTONIC), but never less than 0.8 and never
+    more than 1 interval away.
+
+    Every process on the host reads the same monotonic clock, so workers that
+    beat on the grid send one interval's beats within a few milliseconds of
+    each other and the supervisor drains them in one wake-up instead of one
+    wake-up per worker spread over the second.  A beat that came late (a
+    blocked loop) is not followed by a second one at once: the next ones come
+    0.8 interval apart until they are back on the grid.  Never more than one
+    interval, so hang detection (``unresponsive_after`` > one interval) reads
+    silence exactly as before.
+    """
+    if not (interval > 0.0 and math.isfinite(interval)):
+        raise ValueError(f"heartbeat interval must be a positive number of seconds, got {interval!r}")
+    gap = interval - (now - phase) % interval
+    return now + max(gap, _MIN_BEAT_GAP * interval)
 
 
 def worker_identity(slot: int, generation: int, pid: int) -> bytes:

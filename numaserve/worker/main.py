@@ -25,18 +25,18 @@ from typing import Any
 import structlog
 import structlog.tracebacks
 
-from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats
+from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats, encode
 from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
 from numaserve.worker.cache import ResponseCache
 from numaserve.supervisor.workerauth import take_token
-from numaserve.worker.control import CommandDispatcher, ControlChannel, worker_identity
+from numaserve.worker.control import CommandDispatcher, ControlChannel, beat_phase, next_beat_due, worker_identity
 from numaserve.worker.fdwatch import FdWatch
 from numaserve.worker.edge import LifespanRecord, build_stack
 from numaserve.worker.serve import WorkerServer, loop_factory, open_listener
 from numaserve.worker.preload import PreloadError, run_preload
 from numaserve.worker.sniff import frame_stats
 from numaserve.worker.spec import WorkerSpec, spec_from_env
-from numaserve.worker.stats import WorkerStats
+from numaserve.worker.stats import StatsDedup, WorkerStats
 
 __all__ = [
     "EXIT_APP_LOAD_FAILED",
@@ -216,22 +216,32 @@ class Worker:
         anywhere in the cycle shows up in the next beat.  Once serving, a
         beat carries the stats when they are due (``_stats_in_beats``): one
         message per worker per interval instead of two, which is most of the
-        supervisor's idle work with many workers.
+        supervisor's idle work with many workers.  Stats that did not change
+        since the last ones sent (an idle worker) stay off the beat
+        (``StatsDedup``, refreshed every 10th time).
+
+        Beats fall on a grid of the shared monotonic clock (``next_beat_due``,
+        a small per-slot phase), so all workers' beats of one interval reach
+        the supervisor together and it reads them in one wake-up.
         """
         interval = self.spec.heartbeat_interval
         spec = self.spec
-        due = time.monotonic() + interval
+        phase = beat_phase(spec.slot)
+        due = next_beat_due(time.monotonic(), interval, phase)
         last_stats = -1e18
+        dedup = StatsDedup()
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
             lag = max(0.0, now - due)
-            due = now + interval
+            due = next_beat_due(now, interval, phase)
             stats = None
             if self._stats_in_beats and now - last_stats >= spec.stats_interval - interval / 2:
                 last_stats = now
                 try:
                     stats = self._stats_message()
+                    if not dedup.due(encode(stats)):
+                        stats = None
                 except Exception:  # noqa: BLE001 - a stats bug must not stop the beats (the hang detector)
                     self.log.exception("stats_failed")
             self._post(Heartbeat(slot=spec.slot, generation=spec.generation, loop_lag=lag, mono=now, stats=stats))

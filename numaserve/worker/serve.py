@@ -214,11 +214,14 @@ class WorkerServer(uvicorn.Server):
             self._exit_evt.clear()
 
     async def main_loop(self) -> None:
+        """uvicorn's loop, woken once a second rather than every 0.1 s: exiting is event-driven
+        here, and ``on_tick`` does its once-a-second work (the Date header) when ``counter % 10 == 0``.
+        32 idle workers on 2 CPUs woke 320 times a second for it."""
         counter = 0
         while not await self.on_tick(counter):
-            counter = (counter + 1) % 864000
+            counter = (counter + 10) % 864000
             try:
-                await asyncio.wait_for(self._exit_evt.wait(), 0.1)
+                await asyncio.wait_for(self._exit_evt.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
 

@@ -20,6 +20,7 @@ __all__ = [
     "BUCKET_SCHEMA",
     "BUCKET_UPPER_MS",
     "LatencyHistogram",
+    "StatsDedup",
     "WindowedHistogram",
     "WorkerStats",
     "bucket_index",
@@ -260,3 +261,29 @@ class WorkerStats:
                 "connections_unknown": self.conn_unknown,
             },
         }
+
+
+class StatsDedup:
+    """Skip stats that did not change since the last ones sent (an idle worker's).
+
+    The supervisor keeps the last stats it got, so unchanged ones carry nothing
+    new; decoding them (a 97-bucket histogram and the extras) was most of the
+    cost of an idle worker's beat.  Sent anyway every ``refresh`` calls, so a
+    supervisor that missed one (a full queue drops messages) catches up.
+    """
+
+    def __init__(self, refresh: int = 10) -> None:
+        self.refresh = max(1, refresh)
+        self._last: bytes | None = None
+        self._skipped = 0
+        self.skipped_total = 0
+
+    def due(self, encoded: bytes) -> bool:
+        """Whether stats encoding to ``encoded`` should be sent now (and remember them if so)."""
+        if encoded == self._last and self._skipped + 1 < self.refresh:
+            self._skipped += 1
+            self.skipped_total += 1
+            return False
+        self._last = encoded
+        self._skipped = 0
+        return True

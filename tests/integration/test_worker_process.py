@@ -276,8 +276,23 @@ def test_stats_ride_on_the_beats(sup: FakeSupervisor) -> None:
                 raw.append(decode_from_worker(frames[-1]))
     assert len(raw) == 6 and all(isinstance(x, Heartbeat) for x in raw), [type(x).__name__ for x in raw]
     carried = [x.stats for x in raw if x.stats is not None]
-    assert len(carried) >= 5, "a beat every interval should carry the stats"
+    # stats ride on the beats; an idle worker's unchanged ones stay off most of them (the
+    # supervisor keeps the last ones it got), so at least the first beat carries them
+    assert len(carried) >= 1, "the beats should carry the stats"
     assert all(st.slot == 0 and st.generation == 1 and st.rss_bytes > 0 for st in carried)
+    # ... and stats that changed ride on the next beat
+    assert httpx.get(sup.url + "/", timeout=10).status_code == 200
+    end = time.monotonic() + 10
+    changed = None
+    while changed is None and time.monotonic() < end:
+        if sup.router.poll(1000):
+            frames = sup.router.recv_multipart()
+            if frames[0].endswith(f":{proc.pid}".encode()):
+                msg = decode_from_worker(frames[-1])
+                assert isinstance(msg, Heartbeat), type(msg).__name__
+                if msg.stats is not None and msg.stats.requests >= 1:
+                    changed = msg.stats
+    assert changed is not None, "the stats after a request did not ride on a beat"
 
 
 def test_sigstop_stops_heartbeats(sup: FakeSupervisor) -> None:

@@ -135,3 +135,45 @@ def test_post_never_blocks_when_nobody_listens() -> None:
         assert results.count(False) >= 40 and chan.dropped == results.count(False)
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------ heartbeat grid
+
+
+def test_beats_fall_on_the_shared_grid_after_now() -> None:
+    from numaserve.worker.control import beat_phase, next_beat_due
+
+    assert next_beat_due(10.2, 1.0) == pytest.approx(11.0)
+    assert next_beat_due(11.0, 1.0) == pytest.approx(12.0)     # on the grid: one interval on
+    assert next_beat_due(10.002, 1.0) == pytest.approx(11.0)   # a timer that fired a little late
+    assert next_beat_due(10.1, 1.0, 0.003) == pytest.approx(11.003)
+    # a beat 0.95 s late (blocked loop): no second beat at once; back on the grid in steps of 0.8
+    t, gaps = 13.95, []
+    for _ in range(6):
+        nxt = next_beat_due(t, 1.0)
+        gaps.append(nxt - t)
+        t = nxt
+    assert all(0.8 - 1e-9 <= g <= 1.0 + 1e-9 for g in gaps), gaps
+    assert t % 1.0 == pytest.approx(0.0, abs=1e-6) or t % 1.0 == pytest.approx(1.0, abs=1e-6)
+    for now in (0.0, 0.37, 5.99, 1234.5678):
+        for interval in (0.25, 1.0, 2.5):
+            due = next_beat_due(now, interval, beat_phase(7))
+            assert now + 0.8 * interval - 1e-9 <= due <= now + interval + 1e-9   # never more than one interval
+    # workers of different slots beat within a few ms of each other, so one read takes them all
+    phases = [beat_phase(s) for s in range(64)]
+    assert len(set(phases)) == 64 and max(phases) < 0.01
+    with pytest.raises(ValueError):
+        next_beat_due(1.0, 0.0)
+
+
+def test_unchanged_stats_stay_off_the_beat_but_are_refreshed() -> None:
+    from numaserve.worker.stats import StatsDedup
+
+    d = StatsDedup(refresh=3)
+    assert d.due(b"a")                    # first: sent
+    assert not d.due(b"a")                # the same: skipped
+    assert not d.due(b"a")
+    assert d.due(b"a")                    # every 3rd call anyway (a dropped message is caught up)
+    assert d.due(b"b")                    # changed: at once
+    assert not d.due(b"b")
+    assert d.skipped_total == 3

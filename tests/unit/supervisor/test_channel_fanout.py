@@ -107,3 +107,42 @@ def test_a_burst_is_taken_in_batches_and_nothing_is_lost() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
     asyncio.run(main())
+
+
+def test_beats_arriving_together_are_read_in_one_wake_up_and_commands_are_not_held() -> None:
+    async def main() -> None:
+        d, ctx, router, channel, handler = _bound()
+        channel.coalesce_s = 30.0            # a pause far longer than the test: only a command may end it
+        serve = asyncio.create_task(channel.serve(handler))
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, b"w0")
+        dealer.connect(f"ipc://{Path(d) / 'c.sock'}")
+        await dealer.send(m.encode(m.Ready(slot=0, generation=1)))
+        while len(handler.seen) < 1:
+            await asyncio.sleep(0.01)
+        assert channel.wakeups == 1          # ... and now it pauses
+        for i in range(10):                  # one interval's beats, spread over a few ms
+            await dealer.send(m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=float(i))))
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.05)
+        assert len(handler.seen) == 1        # held in the socket, not read one wake-up each
+
+        async def answer() -> None:
+            cmd = m.decode_from_supervisor((await dealer.recv_multipart())[-1])
+            await dealer.send(m.encode(m.Ack(slot=0, generation=1, ref=cmd.id)))
+
+        responder = asyncio.create_task(answer())
+        w = SimpleNamespace(identity=b"w0", generation=1)
+        [res] = await channel.command_each([(0, w, {})], "ping", timeout=5.0)   # far less than the pause
+        assert res["ok"], res
+        await responder
+        beats = [x for x in handler.seen if isinstance(x, m.Heartbeat)]
+        assert [b.mono for b in beats] == [float(i) for i in range(10)]      # nothing lost, in order
+        assert channel.wakeups in (2, 3)     # the ten beats in one read; the Ack with them or in its own
+        serve.cancel()
+        dealer.close(0)
+        router.close(0)
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+    asyncio.run(main())

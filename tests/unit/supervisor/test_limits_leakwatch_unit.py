@@ -161,3 +161,38 @@ def test_uss_is_read_at_the_interval_while_rss_moves_and_rarely_while_flat(
         rss[w.pid] += 256 << 10
         lw.tick(now[0])
     assert reads == [140.0, 150.0, 160.0, 170.0]
+
+
+def test_unchanged_limits_are_resent_only_to_renew_the_lease() -> None:
+    from numaserve.supervisor.limits import renew_due
+
+    f = serving(2)
+    lim = LimitsManager(f)
+    lim.override([0, 1], None, 8, None, push=False)
+    f.sent.clear()
+    lim.push(0)
+    lim.push(0)                        # the loop decided the same again: nothing new to say
+    assert [(pid, name) for pid, name, _ in f.sent] == [(f.slots[0].worker.pid, "set_limits")]
+    lim.override([0], None, 9, None, push=False)
+    lim.push(0)                        # changed: sent at once
+    assert len(f.sent) == 2 and f.sent[-1][2]["concurrency"] == 9
+    args = f.sent[-1][2]
+    lease = args["lease_s"]
+    assert not renew_due(args, dict(args), 100.0, 100.0 + lease / 2 - 0.1)
+    assert renew_due(args, dict(args), 100.0, 100.0 + lease / 2)        # half the lease gone: renew
+    assert renew_due(args, {**args, "epoch": args["epoch"] + 1}, 100.0, 100.0)
+    assert renew_due({}, {"epoch": 1}, 0.0, 0.0)                         # no lease to go by: always
+
+
+def test_a_new_generation_gets_the_limits_even_if_unchanged() -> None:
+    f = serving(1)
+    lim = LimitsManager(f)
+    lim.override([0], None, 8, None, push=False)
+    lim.push(0)
+    f.sent.clear()
+    old = f.slots[0].worker
+    old.popen.exit(0)
+    f.slots[0].worker = f.life.spawn_generation(f.slots[0], 1.0)
+    assert f.slots[0].worker.generation != old.generation
+    lim.push(0)
+    assert [pid for pid, _, _ in f.sent] == [f.slots[0].worker.pid]
