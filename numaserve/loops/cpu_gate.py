@@ -255,8 +255,6 @@ class CpuGate:
         self._unfolded = 0                            # completions not yet added to the throughput rate
         self._probe_stopped = True                    # the shell's probe is not armed (see probe_wanted)
         self._arrivals = 0                            # requests that reached the CPU decision (cumulative)
-        self._full = False                            # the latest decision was a refusal for CPU ...
-        self._refused_at = -math.inf                  # ... taken then
         self._spell_at = now                          # the loop's last idle moment (probe on time) ...
         self._spell_n = 0                             # ... and _arrivals then
         self._c: dict[str, int] = dict.fromkeys(
@@ -391,14 +389,11 @@ class CpuGate:
                 if refuse:
                     self._maybe_start_overload(now)
             if refuse:
-                self._full = True
-                self._refused_at = now
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
         n = self.inflight = self.inflight + 1
         if n > self._max_inflight:
             self._max_inflight = n
         self._c["admitted"] += 1
-        self._full = False
         if self._probe_stopped:    # the shell arms the stopped probe now
             self._probe_stopped = False
             self._spell_at, self._spell_n = now, self._arrivals - 1   # it stopped: the loop was idle
@@ -461,20 +456,11 @@ class CpuGate:
         work the moment it is back).  A 5 ms handler that blocks the loop is
         a stall every call; 8 clients of it queue ~35 ms and are all served,
         while behind a 20 ms one only 2 stay and behind a long call 1.
-
-        When the loop's latest decision was a refusal for CPU, its queue is
-        full: a connection it has not even accepted would be refused too, only
-        two loop iterations later (one to accept it, one to read its request),
-        so only ``stall_queue`` stay.  That is most of the 503s of an
-        overload: a refused client's connection is closed, its next request
-        comes through the accept queue.
         """
         if self.inflight <= 0:
             return 0
         if stalled_for < self.stall_limit(now):
             return 0
-        if self.full(now):
-            return max(0, accept_queue - self.s.stall_queue)
         budget = self.s.overload_wait_s - stalled_for
         keep = math.ceil(budget / self.request_cpu_s) if budget > 0 and self.request_cpu_s > 0 else 0
         return max(0, accept_queue - max(self.s.stall_queue, keep))
@@ -485,12 +471,6 @@ class CpuGate:
         if self._overloaded or now - self._last_shed <= self.s.overload_hold_s:
             return self.s.stall_after_s
         return self.s.stall_idle_after_s
-
-    def full(self, now: float) -> bool:
-        """The loop's latest decision, within the last ``overload_wait_s``, was a refusal for CPU:
-        a connection in the accept queue now would be refused too, two loop iterations later (one
-        to accept it, one to read its request)."""
-        return self._full and now - self._refused_at <= self.s.overload_wait_s
 
     def record_stall_shed(self, now: float, n: int = 1) -> None:
         """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""

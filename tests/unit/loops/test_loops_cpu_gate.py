@@ -109,19 +109,6 @@ def test_the_cost_before_any_request_finished_is_a_lower_bound_not_the_prior() -
     assert g.request_cpu_s == pytest.approx(0.01)
 
 
-def test_sentinel_keeps_only_stall_queue_while_the_loop_refuses() -> None:
-    """The loop's latest decision was a refusal: what waits in the accept queue would be refused
-    too (two loop iterations later), so only stall_queue stays; once it admits again, the CPU budget."""
-    g = gate(request_cpu_s=0.005, stall_queue=1)
-    g.try_admit(0.0)
-    t = busy_for(g, 0.1, 2.0)
-    assert g.stall_excess(t, 0.003, 7) == 0            # 7 x 5 ms fit in what is left of 40 ms
-    assert isinstance(g.try_admit(t, runnable=(8, 0)), Reject)
-    assert g.full(t) and g.stall_excess(t, 0.003, 7) == 6
-    assert not g.full(t + 0.05)                        # stale after overload_wait_s
-    assert isinstance(g.try_admit(t, runnable=(0, 0)), Admit) and not g.full(t)
-
-
 def test_the_sentinel_acts_on_a_short_stall_while_the_gate_sheds() -> None:
     g = gate(stall_after_s=0.002, stall_idle_after_s=1.0, overload_hold_s=1.0)
     assert g.stall_limit(0.0) == 1.0
