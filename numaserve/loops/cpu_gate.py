@@ -27,6 +27,11 @@ cooperative CPU-bound requests this bounds their number to
 block the loop it bounds the requests queued inside the worker, and the
 sentinel (``numaserve.worker.shedding``) bounds the accept queue.
 
+A burst that outgrows its bound while work arrives ≥ ``OVERLOAD_ARRIVAL_RATIO``
+× as fast as the CPU does it (counted over the loop's current busy spell) is
+the start of an overload: the gate says *overloaded* at once instead of after
+~1.5 s of continuous work (``_maybe_start_overload``).
+
 Also here: an in-flight safety cap (``max_inflight`` and the supervisor's
 lease ceiling; 0/None = none, the default: streams never hit a cap), the
 supervisor's rate quota (429), client deadlines (504), the counters and the
