@@ -28,22 +28,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))   # numaserve from this checkout
 
-import numaserve.tools.loadtest as lt  # noqa: E402
+from benchlib import engine, procs
+from benchlib.scen_overload import PATHS, OverloadParams, start_server
+from benchlib.servers import Server, stop_all
 
-from benchlib import engine, procs  # noqa: E402
-from benchlib.servers import Server, ServerConfig, stop_all  # noqa: E402
-
-PATHS = {"cooperative": "/cpu20y", "blocking": "/cpu20"}
-
+import numaserve.tools.loadtest as lt
 
 def _start(checkout: str) -> Server:
-    srv = Server(ServerConfig("numaserve", workers=2, checkout=checkout)).start()
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
+    return start_server("numaserve", OverloadParams(workers=2), checkout)
 
 
 def capacity(checkout: str, seconds: float = 4.0) -> float:

@@ -321,7 +321,6 @@ class Sentinel(threading.Thread):
     def _run(self) -> None:
         rt = self.rt
         gate = rt.gate
-        s = rt.s
         stalled_before = False
         queue = select.poll()      # readable listener = a connection waits in its accept queue
         for lst in self._listeners:
