@@ -27,6 +27,11 @@ cooperative CPU-bound requests this bounds their number to
 block the loop it bounds the requests queued inside the worker, and the
 sentinel (``numaserve.worker.shedding``) bounds the accept queue.
 
+A burst that outgrows its bound while work arrives ≥ ``OVERLOAD_ARRIVAL_RATIO``
+× as fast as the CPU does it (counted over the loop's current busy spell) is
+the start of an overload: the gate says *overloaded* at once instead of after
+~1.5 s of continuous work (``_maybe_start_overload``).
+
 Also here: an in-flight safety cap (``max_inflight`` and the supervisor's
 lease ceiling; 0/None = none, the default: streams never hit a cap), the
 supervisor's rate quota (429), client deadlines (504), the counters and the
@@ -66,6 +71,13 @@ REQUEST_CPU_PRIOR_S = 0.002
 COST_WINDOWS = 8
 #: Window of the thread-CPU measurement.
 CPU_WINDOW_S = 0.05
+#: A burst that outgrows its bound starts an overload at once when the work that arrived during the
+#: loop's current busy spell (requests admitted or refused, by the learnt CPU) is at least this many
+#: times the spell's length: work comes in faster than the CPU can do it, so the queue will not drain.
+#: Near capacity the queue reaches the bound by chance, after a long spell (ratio ~1): not promoted.
+OVERLOAD_ARRIVAL_RATIO = 1.5
+#: ... and the spell is at least this long (a handful of requests is no rate).
+OVERLOAD_MIN_SPELL_S = 0.02
 #: A finished request's outcome -> the counter it adds to.
 _OUTCOME_COUNTER = {"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}
 
@@ -247,6 +259,9 @@ class CpuGate:
         self._capped = bool(settings.max_inflight)   # an in-flight cap may apply (else limit() is None)
         self._unfolded = 0                            # completions not yet added to the throughput rate
         self._probe_stopped = True                    # the shell's probe is not armed (see probe_wanted)
+        self._arrivals = 0                            # requests that reached the CPU decision (cumulative)
+        self._spell_at = now                          # the loop's last idle moment (probe on time) ...
+        self._spell_n = 0                             # ... and _arrivals then
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -276,7 +291,12 @@ class CpuGate:
     def on_lag(self, now: float, lag: float, loop_ran: float | None = None) -> None:
         """A probe fired ``lag`` seconds late (``loop_ran``: the loop thread's CPU since the
         previous firing, if the shell measured it; see ``LagTracker.sample``)."""
-        self.lag.sample(now, lag, loop_ran)
+        tr = self.lag
+        if lag <= tr.busy_lag:           # an idle moment: a new busy spell starts after it
+            self._spell_at, self._spell_n = now, self._arrivals
+        elif now - tr.at > lag + tr.period + BUSY_LAG_S:   # idle before this (late) firing
+            self._spell_at, self._spell_n = now - lag - tr.period, self._arrivals
+        tr.sample(now, lag, loop_ran)
         self._probe_stopped = not self.probe_wanted()
         if self._unfolded:
             self._fold(now)
@@ -293,9 +313,15 @@ class CpuGate:
         other = (process_cpu_s - self._cpu_proc) - (loop_cpu_s - self._cpu_loop)
         self.other_threads_cpu = max(0.0, other / dt)
         done = self._c["completed"] - self._cpu_done
+        used = loop_cpu_s - self._cpu_loop
         if done > 0:  # the loop's CPU per finished request: the lowest of the recent windows
-            self._costs.append((loop_cpu_s - self._cpu_loop) / done)   # (a cold start is no rule)
+            self._costs.append(used / done)   # (a cold start is no rule)
             self.request_cpu_s = min(self._costs)
+        elif not self._costs and self.inflight > 0:
+            # nothing finished yet (a fresh worker's first requests): each request in flight got
+            # used / inflight of CPU on average in this window and is not done, so that is a lower
+            # bound of what they cost; the prior (2 ms) alone let a fresh worker queue 50 of them
+            self.request_cpu_s = max(self.request_cpu_s, used / self.inflight)
         self._cpu_at, self._cpu_loop, self._cpu_proc = now, loop_cpu_s, process_cpu_s
         self._cpu_done = self._c["completed"]
 
@@ -350,6 +376,7 @@ class CpuGate:
             if cap is not None and self.inflight >= cap:
                 return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
                                     retry_after=self._overload_retry(now))
+        self._arrivals += 1
         lag = self.lag
         target = lag.target
         if (self._overloaded or lag.value > target
@@ -364,6 +391,8 @@ class CpuGate:
                           and waiting * self.request_cpu_s >= self.s.overload_wait_s)
             else:
                 refuse = started >= self.s.cpu_burst or waiting * self.request_cpu_s >= self.s.burst_wait_s
+                if refuse:
+                    self._maybe_start_overload(now)
             if refuse:
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
         n = self.inflight = self.inflight + 1
@@ -372,9 +401,27 @@ class CpuGate:
         self._c["admitted"] += 1
         if self._probe_stopped:    # the shell arms the stopped probe now
             self._probe_stopped = False
+            self._spell_at, self._spell_n = now, self._arrivals - 1   # it stopped: the loop was idle
             if now - lag.at > lag.tau:   # new work after a quiet spell (busy_window_s): the short period
                 lag.period = lag.pmin
         return CpuPermit(now, deadline)
+
+    def _maybe_start_overload(self, now: float) -> None:
+        """A burst outgrew its bound: if work arrived during this busy spell at least
+        ``OVERLOAD_ARRIVAL_RATIO`` × as fast as the CPU does it, this is the start of an overload,
+        not a burst: overloaded from now on, not after the busy share has climbed to
+        ``busy_threshold`` (~1.5 s of continuous work, while the burst bound let every loop
+        iteration grow to ``burst_wait_s`` and the admitted requests and the 503s all waited for
+        those iterations).  The share is set to the threshold, so the usual hysteresis ends it (a
+        loop with idle moments falls under ``busy_release`` after ~``busy_window_s`` ×
+        ln(threshold / release) of idle time, ~90 ms by default)."""
+        spell = now - self._spell_at
+        if spell < OVERLOAD_MIN_SPELL_S:
+            return
+        if (self._arrivals - self._spell_n) * self.request_cpu_s >= OVERLOAD_ARRIVAL_RATIO * spell:
+            lag = self.lag
+            lag.busy = max(lag.busy, self.s.busy_threshold)
+            self._overloaded = True
 
     def release(self, now: float, permit: Permit | CpuPermit, outcome: Outcome | None = None) -> None:
         """A request finished (any outcome).  The throughput rate takes it at the next probe
@@ -417,12 +464,18 @@ class CpuGate:
         """
         if self.inflight <= 0:
             return 0
-        limit = self.s.stall_after_s if self.overloaded(now) else self.s.stall_idle_after_s
-        if stalled_for < limit:
+        if stalled_for < self.stall_limit(now):
             return 0
         budget = self.s.overload_wait_s - stalled_for
         keep = math.ceil(budget / self.request_cpu_s) if budget > 0 and self.request_cpu_s > 0 else 0
         return max(0, accept_queue - max(self.s.stall_queue, keep))
+
+    def stall_limit(self, now: float) -> float:
+        """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is
+        overloaded or its gate shed within ``overload_hold_s``, else ``stall_idle_after_s``.  Read by the sentinel thread (plain attribute reads, no lock)."""
+        if self._overloaded or now - self._last_shed <= self.s.overload_hold_s:
+            return self.s.stall_after_s
+        return self.s.stall_idle_after_s
 
     def record_stall_shed(self, now: float, n: int = 1) -> None:
         """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""

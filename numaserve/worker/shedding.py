@@ -321,7 +321,6 @@ class Sentinel(threading.Thread):
     def _run(self) -> None:
         rt = self.rt
         gate = rt.gate
-        s = rt.s
         stalled_before = False
         queue = select.poll()      # readable listener = a connection waits in its accept queue
         for lst in self._listeners:
@@ -345,7 +344,7 @@ class Sentinel(threading.Thread):
             now = time.monotonic()
             probe = rt.probe
             stalled_for = now - probe.beat - probe.period
-            limit = s.stall_after_s if gate.overloaded(now) else s.stall_idle_after_s
+            limit = gate.stall_limit(now)
             if stalled_for < limit or gate.inflight <= 0:
                 stalled_before = False
                 self._service(now)

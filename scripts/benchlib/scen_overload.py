@@ -146,8 +146,9 @@ def _one_level(srv: Server, p: OverloadParams, path: str, rate: float, cap: floa
     }
 
 
-def _start(kind: str, p: OverloadParams) -> Server:
-    srv = Server(ServerConfig(kind, workers=p.workers)).start()
+def start_server(kind: str, p: OverloadParams, checkout: str = "") -> Server:
+    """A ready server (``checkout``: numaserve from another source tree, for before/after runs)."""
+    srv = Server(ServerConfig(kind, workers=p.workers, checkout=checkout)).start()
     try:
         srv.wait_ready()
     except BaseException:
@@ -160,7 +161,7 @@ def measure_capacity(ctx: Ctx, p: OverloadParams) -> dict[str, Any]:
     """The common capacity C: each server's closed-loop rate on the cooperative request, median of them."""
     per: dict[str, float] = {}
     for kind in ctx.order(-1)[:p.capacity_servers]:
-        with _start(kind, p) as srv:
+        with start_server(kind, p) as srv:
             engine.run(lt.LoadConfig(srv.url + PATHS["cooperative"], concurrency=4, duration=1.0, timeout=10.0))
             per[kind] = round(_capacity(srv, PATHS["cooperative"], p.capacity_s), 1)
             ctx.log(f"overload capacity {kind:9} {per[kind]:.1f} req/s")
@@ -176,7 +177,7 @@ def run(ctx: Ctx, p: OverloadParams | None = None) -> dict[str, Any]:
     own_cap: dict[str, list[float]] = {}
     for rep in range(ctx.reps):
         for kind in ctx.order(rep):
-            srv = _start(kind, p)
+            srv = start_server(kind, p)
             todo = [(shape, level) for shape, levels in p.shapes.items() for level in levels]
             try:
                 for shape, levels in p.shapes.items():
@@ -196,7 +197,7 @@ def run(ctx: Ctx, p: OverloadParams | None = None) -> dict[str, Any]:
                         todo.pop(0)
                         if row["idle_after_s"] is None and todo:   # still burning a backlog: start clean
                             srv.stop()
-                            srv = _start(kind, p)
+                            srv = start_server(kind, p)
                             engine.run(lt.LoadConfig(srv.url + PATHS[todo[0][0]], concurrency=4, duration=0.5,
                                                      timeout=10.0))
             finally:

@@ -69,6 +69,54 @@ def test_a_burst_is_not_overload_until_the_loop_stays_busy() -> None:
     assert not g.overloaded(t) and not g.short_of_cpu(t)
 
 
+def test_a_burst_that_outgrows_its_bound_at_twice_the_capacity_is_an_overload_at_once() -> None:
+    """The start of an overload: work arrives faster than the CPU does it, so the first refusal of
+    the burst bound says "overloaded" (tight bound, sentinel at 2 ms) instead of ~1.5 s later."""
+    g = gate(request_cpu_s=0.020)
+    t = 1.0
+    for i in range(7):        # 7 x 20 ms of work arrive in 70 ms: 2x what the CPU does
+        t += 0.010
+        g.on_lag(t, 0.015)    # busy samples (short of CPU), no idle moment
+        d = g.try_admit(t, runnable=(0, i))
+    assert isinstance(d, Reject) and g.overloaded(t)
+    assert g.stall_limit(t) == g.s.stall_after_s
+
+
+def test_a_burst_near_capacity_that_outgrows_its_bound_stays_a_burst() -> None:
+    """The same refusal after a long busy spell at ~1x (the queue reached the bound by chance):
+    not an overload; and an idle moment starts a new spell."""
+    g = gate(request_cpu_s=0.020)
+    t = 1.0
+    for _ in range(100):      # 1 s busy, 50 requests of 20 ms: the CPU keeps up
+        t += 0.020
+        g.on_lag(t, 0.015)
+        g.try_admit(t, runnable=(0, 0))
+    d = g.try_admit(t, runnable=(0, 5))
+    assert isinstance(d, Reject) and not g.overloaded(t)
+    g.on_lag(t + 0.001, 0.0)  # an on-time probe: the loop idled
+    assert g._spell_at == t + 0.001
+
+
+def test_the_cost_before_any_request_finished_is_a_lower_bound_not_the_prior() -> None:
+    g = CpuGate(AdmissionSettings(), 0.0)
+    for _ in range(4):
+        g.try_admit(0.0)
+    g.on_cpu(0.0, 0.0, 0.0)
+    g.on_cpu(0.1, 0.08, 0.08)  # 80 ms of loop CPU, 4 in flight, none done: >= 20 ms each
+    assert g.request_cpu_s == pytest.approx(0.02)
+    g.release(0.15, g.try_admit(0.15).permit, "ok")  # type: ignore[union-attr]
+    g.on_cpu(0.2, 0.09, 0.09)  # then learnt from completions as before
+    assert g.request_cpu_s == pytest.approx(0.01)
+
+
+def test_the_sentinel_acts_on_a_short_stall_while_the_gate_sheds() -> None:
+    g = gate(stall_after_s=0.002, stall_idle_after_s=1.0, overload_hold_s=1.0)
+    assert g.stall_limit(0.0) == 1.0
+    g.on_lag(0.5, 0.030)
+    assert isinstance(g.try_admit(0.5, runnable=(8, 0)), Reject) and not g.overloaded(0.5)
+    assert g.stall_limit(0.6) == 0.002 and g.stall_limit(1.6) == 1.0
+
+
 def test_an_armed_probe_that_did_not_fire_counts_as_lag() -> None:
     """The loop stuck in a 50 ms call has not run its probe: the gate sees that lateness at once."""
     g = gate()
