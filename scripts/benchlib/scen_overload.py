@@ -68,7 +68,16 @@ def _headers(p: OverloadParams) -> tuple[tuple[str, str], ...]:
 
 
 def _capacity(srv: Server, path: str, seconds: float) -> float:
-    r = engine.run(lt.LoadConfig(srv.url + path, concurrency=8, duration=seconds, timeout=10.0))
+    """Closed-loop rate with a new connection per request.
+
+    Kept-alive clients measure the accept race, not the CPU: with one shared
+    listener (uvicorn, gunicorn) one worker can accept all 8 connections while
+    the other sleeps, and C came out at one CPU's rate (49 of ~92 req/s in two
+    runs of 2026-12-01).  A connection per request lets whichever worker is
+    free take the next one; the connect costs ~0.1 ms beside a 20 ms handler.
+    """
+    r = engine.run(lt.LoadConfig(srv.url + path, concurrency=8, duration=seconds, timeout=10.0,
+                                 keepalive=False))
     return r.ok / r.result.duration_s if r.result.duration_s else 0.0
 
 
