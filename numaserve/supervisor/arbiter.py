@@ -333,6 +333,7 @@ class Supervisor:
     def _tick(self, now: float) -> bool:
         """One pass of the supervision loop; True once the stop has finished."""
         self.heartbeat.beat()
+        self.channel.drain(self)   # what exited workers said last (Goodbye) is read before their exit is judged
         self.lifecycle.reap(now)
         self.templates.tick(now)
         if self.stopping:

@@ -116,6 +116,28 @@ class WorkerChannel:
             self._sync_of = self.sock
         return self._sync
 
+    def drain(self, handler: cp.WorkerMessages) -> int:
+        """Handle every message already queued, now (no wait; 0 when the socket is not bound yet).
+
+        Why: the receive loop pauses up to ``COALESCE_S`` between passes, and a worker's last words
+        (a Goodbye naming why its app failed to load) must be read before its exit is judged.
+        """
+        if self.sock is None:
+            return 0
+        sync = self._sync_sock()
+        n = 0
+        for _ in range(RECV_BATCH):
+            try:
+                frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:   # EAGAIN: nothing queued
+                break
+            n += 1
+            cp.on_control_frames(handler, frames)
+        if n:
+            self.received += n
+            self.sock.get(zmq.EVENTS)   # let the asyncio layer see what the direct reads consumed
+        return n
+
     def resolve(self, ack: m.Ack) -> None:
         """An Ack arrived: wake whoever waits for it (late or unknown Acks are dropped)."""
         fut = self._acks.pop((ack.ref, ack.slot, ack.generation), None)

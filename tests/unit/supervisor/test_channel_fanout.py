@@ -146,3 +146,39 @@ def test_beats_arriving_together_are_read_in_one_wake_up_and_commands_are_not_he
         shutil.rmtree(d, ignore_errors=True)
 
     asyncio.run(main())
+
+
+def test_drain_reads_what_is_queued_during_the_coalescing_pause() -> None:
+    """A worker's last message (Goodbye) sent while the receive loop pauses is read by drain() at once."""
+    async def main() -> None:
+        d, ctx, router, channel, handler = _bound()
+        channel.coalesce_s = 30.0          # the loop reads one pass, then pauses for good
+        serve = asyncio.create_task(channel.serve(handler))
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, b"w0")
+        s.connect(f"ipc://{Path(d) / 'c.sock'}")
+        await s.send(m.encode(m.Ready(slot=0, generation=1)))
+        while len(handler.seen) < 1:
+            await asyncio.sleep(0.01)
+        await s.send(m.encode(m.Goodbye(slot=0, generation=1, reason="lifespan startup failed: boom")))
+        got = 0
+        for _ in range(100):               # the pause holds the loop; only drain() can read it
+            got += channel.drain(handler)
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == 1
+        assert isinstance(handler.seen[-1], m.Goodbye) and handler.seen[-1].reason.endswith("boom")
+        assert channel.drain(handler) == 0   # nothing queued: no wait, nothing handled
+        serve.cancel()
+        s.close(0)
+        router.close(0)
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+    asyncio.run(main())
+
+
+def test_drain_before_the_socket_is_bound_is_a_no_op() -> None:
+    channel = WorkerChannel({})
+    assert channel.drain(Handler(channel)) == 0
