@@ -38,8 +38,9 @@ import json
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Generator, Mapping, Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -297,38 +298,10 @@ def _server_class() -> type[Any]:
     """uvicorn.Server that leaves signals to the supervisor (as the worker's server does)."""
     import uvicorn
 
-    class AdminServer(uvicorn.Server):
-        def __init__(self, config: Any) -> None:
-            self._exit_evt = asyncio.Event()
-            super().__init__(config)
+    from numaserve.quietserver import QuietServerMixin
 
-        @property  # type: ignore[override]
-        def should_exit(self) -> bool:
-            return self._exit_evt.is_set()
-
-        @should_exit.setter
-        def should_exit(self, value: bool) -> None:
-            if value:
-                self._exit_evt.set()
-            else:
-                self._exit_evt.clear()
-
-        async def main_loop(self) -> None:
-            """Woken once a second (the Date header's pace) or at once to exit, not every 0.1 s:
-            ten wake-ups a second were most of what an idle supervisor's loop woke for."""
-            counter = 0
-            while not await self.on_tick(counter):
-                counter = (counter + 10) % 864000
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._exit_evt.wait(), 1.0)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Generator[None, None, None]:
-            """uvicorn >= 0.29 installs SIGINT/SIGTERM handlers here; the supervisor owns them."""
-            yield
-
-        def install_signal_handlers(self) -> None:
-            """Same for uvicorn < 0.29."""
+    class AdminServer(QuietServerMixin, uvicorn.Server):
+        """Exit on an event, woken once a second, no signal handlers (numaserve.quietserver)."""
 
     return AdminServer
 
@@ -395,7 +368,7 @@ class AdminHandle:
         except asyncio.CancelledError:
             if not self.task.cancelled():
                 raise  # our caller is being cancelled: not ours to swallow
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.server.force_exit = True
             self.task.cancel()
             with contextlib.suppress(BaseException):

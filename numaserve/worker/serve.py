@@ -19,13 +19,14 @@ worker is assembled in ``numaserve.worker.edge.build_stack``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-from typing import Any, Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import uvicorn
 
+from numaserve.quietserver import QuietServerMixin
 from numaserve.worker.httpproto import connection_limit_503, guarded_httptools_protocol
 from numaserve.worker.spec import WorkerSpec
 
@@ -192,38 +193,13 @@ def close_websocket(conn: Any, code: int, reason: str) -> None:
     conn.transport.close()
 
 
-class WorkerServer(uvicorn.Server):
-    """uvicorn.Server without signal handling, with a started hook and drain helpers."""
+class WorkerServer(QuietServerMixin, uvicorn.Server):
+    """uvicorn.Server without signal handling (numaserve.quietserver: exit on an event, a once-a-second
+    main loop; a drained worker goes at once), with a started hook and drain helpers."""
 
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None = None) -> None:
-        self._exit_evt = asyncio.Event()
         super().__init__(config)
         self._on_started = on_started
-
-    # uvicorn polls ``should_exit`` every 0.1 s; a drained worker should go at once (a roll waits
-    # for it), so setting it also wakes the main loop.
-    @property  # type: ignore[override]
-    def should_exit(self) -> bool:
-        return self._exit_evt.is_set()
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value:
-            self._exit_evt.set()
-        else:
-            self._exit_evt.clear()
-
-    async def main_loop(self) -> None:
-        """uvicorn's loop, woken once a second rather than every 0.1 s: exiting is event-driven
-        here, and ``on_tick`` does its once-a-second work (the Date header) when ``counter % 10 == 0``.
-        32 idle workers on 2 CPUs woke 320 times a second for it."""
-        counter = 0
-        while not await self.on_tick(counter):
-            counter = (counter + 10) % 864000
-            try:
-                await asyncio.wait_for(self._exit_evt.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, without its fixed 0.1 s wait when nothing is left to finish.
@@ -241,14 +217,6 @@ class WorkerServer(uvicorn.Server):
             sock.close()
         if not self.force_exit:
             await self.lifespan.shutdown()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        """uvicorn >= 0.29 installs SIGINT/SIGTERM handlers here; we do not want them."""
-        yield
-
-    def install_signal_handlers(self) -> None:
-        """Same for uvicorn < 0.29."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
