@@ -42,15 +42,32 @@ def _bound() -> tuple[str, zmq.asyncio.Context, zmq.asyncio.Socket, WorkerChanne
     return d, ctx, router, channel, Handler(channel)
 
 
+def _dealer(ctx: zmq.asyncio.Context, d: str, identity: bytes) -> zmq.asyncio.Socket:
+    """A worker's end of the channel."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, identity)
+    s.connect(f"ipc://{Path(d) / 'c.sock'}")
+    return s
+
+
+def _close(d: str, ctx: zmq.asyncio.Context, router: zmq.asyncio.Socket, serve: asyncio.Task[None],
+           *dealers: zmq.asyncio.Socket) -> None:
+    """Stop the receive loop, close every socket, remove the private dir."""
+    serve.cancel()
+    for s in dealers:
+        s.close(0)
+    router.close(0)
+    ctx.term()
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def test_command_each_collects_every_ack_and_reports_the_silent_and_the_unconnected() -> None:
     async def main() -> None:
         d, ctx, router, channel, handler = _bound()
         serve = asyncio.create_task(channel.serve(handler))
         dealers = []
         for i in range(5):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, f"w{i}".encode())
-            s.connect(f"ipc://{Path(d) / 'c.sock'}")
+            s = _dealer(ctx, d, f"w{i}".encode())
             dealers.append(s)
         # a first message from each worker, so the ROUTER knows the identities
         for s in dealers:
@@ -74,12 +91,7 @@ def test_command_each_collects_every_ack_and_reports_the_silent_and_the_unconnec
         assert res[5]["detail"].startswith("not sent")
         assert channel._acks == {}                        # nothing left waiting
         await asyncio.gather(*answers)
-        serve.cancel()
-        for s in dealers:
-            s.close(0)
-        router.close(0)
-        ctx.term()
-        shutil.rmtree(d, ignore_errors=True)
+        _close(d, ctx, router, serve, *dealers)
 
     asyncio.run(main())
 
@@ -100,11 +112,7 @@ def test_a_burst_is_taken_in_batches_and_nothing_is_lost() -> None:
         await dealer.send(b"\x00garbage")  # after a drained burst, the awaited receive still wakes
         while handler.bad < 1:
             await asyncio.sleep(0.01)
-        serve.cancel()
-        dealer.close(0)
-        router.close(0)
-        ctx.term()
-        shutil.rmtree(d, ignore_errors=True)
+        _close(d, ctx, router, serve, dealer)
 
     asyncio.run(main())
 
@@ -114,9 +122,7 @@ def test_beats_arriving_together_are_read_in_one_wake_up_and_commands_are_not_he
         d, ctx, router, channel, handler = _bound()
         channel.coalesce_s = 30.0            # a pause far longer than the test: only a command may end it
         serve = asyncio.create_task(channel.serve(handler))
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, b"w0")
-        dealer.connect(f"ipc://{Path(d) / 'c.sock'}")
+        dealer = _dealer(ctx, d, b"w0")
         await dealer.send(m.encode(m.Ready(slot=0, generation=1)))
         while len(handler.seen) < 1:
             await asyncio.sleep(0.01)
@@ -139,11 +145,7 @@ def test_beats_arriving_together_are_read_in_one_wake_up_and_commands_are_not_he
         beats = [x for x in handler.seen if isinstance(x, m.Heartbeat)]
         assert [b.mono for b in beats] == [float(i) for i in range(10)]      # nothing lost, in order
         assert channel.wakeups in (2, 3)     # the ten beats in one read; the Ack with them or in its own
-        serve.cancel()
-        dealer.close(0)
-        router.close(0)
-        ctx.term()
-        shutil.rmtree(d, ignore_errors=True)
+        _close(d, ctx, router, serve, dealer)
 
     asyncio.run(main())
 
@@ -154,9 +156,7 @@ def test_drain_reads_what_is_queued_during_the_coalescing_pause() -> None:
         d, ctx, router, channel, handler = _bound()
         channel.coalesce_s = 30.0          # the loop reads one pass, then pauses for good
         serve = asyncio.create_task(channel.serve(handler))
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, b"w0")
-        s.connect(f"ipc://{Path(d) / 'c.sock'}")
+        s = _dealer(ctx, d, b"w0")
         await s.send(m.encode(m.Ready(slot=0, generation=1)))
         while len(handler.seen) < 1:
             await asyncio.sleep(0.01)
@@ -170,11 +170,7 @@ def test_drain_reads_what_is_queued_during_the_coalescing_pause() -> None:
         assert got == 1
         assert isinstance(handler.seen[-1], m.Goodbye) and handler.seen[-1].reason.endswith("boom")
         assert channel.drain(handler) == 0   # nothing queued: no wait, nothing handled
-        serve.cancel()
-        s.close(0)
-        router.close(0)
-        ctx.term()
-        shutil.rmtree(d, ignore_errors=True)
+        _close(d, ctx, router, serve, s)
 
     asyncio.run(main())
 
