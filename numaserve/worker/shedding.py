@@ -24,6 +24,11 @@
   GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
   and most C extensions around heavy work; a C call that holds the GIL for
   long stalls the sentinel too (then only the supervisor's steering helps).
+  Its accept/recv/send/shutdown/close are non-blocking libc calls that keep
+  the GIL (``numaserve.net.heldsock``): ``socket`` methods drop and re-take
+  it around each syscall, and each re-take waits up to a switch interval
+  behind the loop (~25 ms per 503); so one acquisition per wake-up answers
+  the whole excess.
   Connections it cannot answer (TLS, a non-HTTP first byte) are handed back
   to the loop untouched.
 
@@ -46,6 +51,7 @@ from typing import Any
 from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.admission import AdmissionSettings, Reject
 from numaserve.loops.cpu_gate import CpuGate
+from numaserve.net import heldsock
 from numaserve.net.listeners import accept_queue_depth
 from numaserve.worker.stats import BUCKET_UPPER_MS, LatencyHistogram
 
@@ -227,7 +233,7 @@ class AdmissionRuntime:
     # --- the sentinel --------------------------------------------------------------------------
 
     def start_sentinel(self, listeners: list[socket.socket], adopt: Callable[[socket.socket], None] | None) -> None:
-        if not self.s.sentinel or self.sentinel is not None or not listeners:
+        if not self.s.sentinel or self.sentinel is not None or not listeners or not heldsock.AVAILABLE:
             return
         self.sentinel = Sentinel(self, listeners, adopt)
         self.sentinel.start()
@@ -296,8 +302,8 @@ class Sentinel(threading.Thread):
         for s in self._listeners:
             s.setblocking(False)
         self._stop_evt = threading.Event()
-        self._pending: list[tuple[socket.socket, float]] = []   # accepted, head not read yet
-        self._linger: list[tuple[socket.socket, float]] = []
+        self._pending: list[tuple[int, float]] = []   # accepted fds, head not read yet
+        self._linger: list[tuple[int, float]] = []
         self.shed = 0
         self.handed_back = 0
         self.stalls = 0
@@ -313,8 +319,8 @@ class Sentinel(threading.Thread):
         try:
             self._run()
         finally:
-            for s, _ in self._pending + self._linger:
-                s.close()
+            for fd, _ in self._pending + self._linger:
+                heldsock.close(fd)
             for s in self._listeners:
                 s.close()
 
@@ -380,74 +386,59 @@ class Sentinel(threading.Thread):
         return 50.0 if not (self._pending or self._linger) else self.STALL_POLL_S * 10 * 1000.0
 
     def _take(self, lst: socket.socket, now: float) -> bool:
-        try:
-            conn, _ = lst.accept()
-        except (BlockingIOError, InterruptedError):
+        fd = heldsock.accept(lst.fileno())   # (GIL held: see numaserve.net.heldsock)
+        if fd < 0:
             return False
-        except OSError:
-            return False
-        conn.setblocking(False)
-        self._answer_or_wait(conn, now + self.HEAD_WAIT_S)
+        self._answer_or_wait(fd, now + self.HEAD_WAIT_S)
         return True
 
-    def _answer_or_wait(self, conn: socket.socket, deadline: float) -> None:
-        try:
-            first = conn.recv(1, socket.MSG_PEEK)
-        except (BlockingIOError, InterruptedError):
+    def _answer_or_wait(self, fd: int, deadline: float) -> None:
+        """Answer ``fd`` (a shed connection) with 503, or keep it pending until its head arrives.
+        Every call here keeps the GIL (one acquisition per batch, not one per syscall)."""
+        n, first = heldsock.recv(fd, peek=True)
+        if n == -heldsock.EAGAIN:
             if time.monotonic() < deadline:
-                self._pending.append((conn, deadline))
+                self._pending.append((fd, deadline))
                 return
             first = b"G"  # nothing yet: answer anyway, the client is connected
-        except OSError:
-            conn.close()
+        elif n < 0:
+            heldsock.close(fd)
             return
-        if not first:          # the client already left: nothing to answer
-            conn.close()
+        elif n == 0:           # the client already left: nothing to answer
+            heldsock.close(fd)
             self.gone += 1
             return
         if not (65 <= first[0] <= 90) and self.adopt is not None:   # not an HTTP method: frames, TLS
             self.handed_back += 1
-            self.adopt(conn)
+            self.adopt(socket.socket(fileno=fd))
             return
-        try:
-            conn.recv(65536)   # the head (what is there): read, so closing sends no RST
-        except OSError:
-            pass
+        heldsock.recv(fd)   # the head (what is there): read, so closing sends no RST
         now = time.monotonic()
         gate = self.rt.gate
-        try:
-            conn.send(overload_response(gate.retry_after(now), "stall"))
-            conn.shutdown(socket.SHUT_WR)
-        except OSError:
-            conn.close()
+        if heldsock.send(fd, overload_response(gate.retry_after(now), "stall")) < 0 or heldsock.shutdown_wr(fd) < 0:
+            heldsock.close(fd)
             return
         self.shed += 1
         gate.note_shed(now)
-        self._linger.append((conn, now + self.LINGER_S))
+        self._linger.append((fd, now + self.LINGER_S))
 
     def _service(self, now: float) -> None:
-        """Pending heads and lingering closes."""
+        """Pending heads and lingering closes (non-blocking reads: no poll(), which drops the GIL)."""
         if self._pending:
             pending, self._pending = self._pending, []
-            for conn, deadline in pending:
-                self._answer_or_wait(conn, deadline)
+            for fd, deadline in pending:
+                self._answer_or_wait(fd, deadline)
         if self._linger:
             keep = []
-            poller = select.poll()
-            for conn, _ in self._linger:
-                poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
-            ready = {fd for fd, _ in poller.poll(0)}
-            for conn, deadline in self._linger:
+            for fd, deadline in self._linger:
                 done = now >= deadline
-                if conn.fileno() in ready:
-                    try:
-                        done = done or not conn.recv(65536)
-                    except BlockingIOError:
-                        pass
-                    except OSError:
-                        done = True
+                while not done:
+                    n, _ = heldsock.recv(fd)
+                    if n == -heldsock.EAGAIN:
+                        break
+                    done = n <= 0   # EOF or an error: the client is done
                 if done:
-                    conn.close()
+                    heldsock.close(fd)
                 else:
-                    keep.append((conn, deadline))
+                    keep.append((fd, deadline))
             self._linger = keep
