@@ -18,7 +18,7 @@ import ctypes
 import ctypes.util
 import socket
 
-__all__ = ["AVAILABLE", "accept", "close", "recv", "send", "shutdown_wr", "EAGAIN"]
+__all__ = ["AVAILABLE", "EAGAIN", "accept", "close", "recv", "send", "shutdown_wr"]
 
 EAGAIN = 11
 _SOCK_NONBLOCK = 0o4000
