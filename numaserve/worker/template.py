@@ -174,6 +174,14 @@ def recv_msg(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return msg, got
 
 
+def trim_heap() -> bool | None:
+    """glibc's ``malloc_trim(0)`` before the first fork: the free pages the app's import left in
+    glibc's heaps go back to the kernel instead of being counted in the template's PSS (and the
+    workers' share of it).  None without glibc."""
+    from numaserve.supervisor.settle import malloc_trim  # the supervisor's settle step, same call
+    return malloc_trim()
+
+
 def _close(fd: int) -> None:
     try:
         os.close(fd)
@@ -343,6 +351,7 @@ class Template(RequestLoop):
         gc.collect()
         if spec.gc_freeze:
             gc.freeze()  # imported objects leave the GC's scans: their pages stay shared after fork
+        trim_heap()  # the import's freed heap pages go back before any worker maps them in
         threads = current_threads()
         send_msg(self.sock, {"t": "ready", "pid": os.getpid(), "import_s": round(t1 - t0, 4),
                              "preload_s": round(preload_s, 4), "threads": threads})
