@@ -56,35 +56,49 @@ class WorkerChannel:
         self.received = 0         # messages read
 
     async def serve(self, handler: cp.WorkerMessages) -> None:
-        """Receive worker messages for good: one awaited, then what else is queued (until EAGAIN, up to a
-        batch), then a pause to let the rest of the burst queue up (``COALESCE_S``, none while Acks are awaited)."""
+        """Receive worker messages for good: wait until the socket is readable, handle what is queued
+        (until EAGAIN, up to a batch), then pause to let the rest of the burst queue up (``COALESCE_S``,
+        none while Acks are awaited).
+
+        Only readiness is awaited (``poll``), never a message: every message is taken by a direct read
+        and handled at once, here or in ``drain()``, so they are handled in the order a worker sent
+        them.  An awaited ``recv`` would hold one message in its future until this task runs again,
+        and a ``drain()`` in between would handle the next one first (a worker's Ready before its
+        Hello: refused, and the slot waited for the ready timeout).
+        """
         sock = self.sock
         assert sock is not None
-        sync = self._sync_sock()
         while True:
             try:
-                frames = await sock.recv_multipart(copy=False)
+                await sock.poll(flags=zmq.POLLIN)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
                 log.warning("control_recv_error", error=str(e))
                 await asyncio.sleep(0.05)
                 continue
+            n = self._read_queued(handler)
+            if n == 0:   # drain() took them first
+                continue
             self.wakeups += 1
-            n = 1
-            cp.on_control_frames(handler, frames)
-            for _ in range(RECV_BATCH - 1):
-                try:
-                    frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.ZMQError:   # EAGAIN: queue empty (the awaited recv re-checks before it waits)
-                    break
-                n += 1
-                cp.on_control_frames(handler, frames)
-            self.received += n
             if self._acks or self.coalesce_s <= 0 or n >= RECV_BATCH:
                 await asyncio.sleep(0)
             else:
                 await self._pause(self.coalesce_s)
+
+    def _read_queued(self, handler: cp.WorkerMessages) -> int:
+        """Handle up to a batch of queued messages through the direct socket; how many."""
+        sync = self._sync_sock()
+        n = 0
+        for _ in range(RECV_BATCH):
+            try:
+                frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:   # EAGAIN: queue empty (the next poll re-checks before it waits)
+                break
+            n += 1
+            cp.on_control_frames(handler, frames)
+        self.received += n
+        return n
 
     async def _pause(self, seconds: float) -> None:
         """Sleep ``seconds`` unless a command is sent meanwhile (``_hurry_up``)."""
@@ -124,17 +138,8 @@ class WorkerChannel:
         """
         if self.sock is None:
             return 0
-        sync = self._sync_sock()
-        n = 0
-        for _ in range(RECV_BATCH):
-            try:
-                frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:   # EAGAIN: nothing queued
-                break
-            n += 1
-            cp.on_control_frames(handler, frames)
+        n = self._read_queued(handler)
         if n:
-            self.received += n
             self.sock.get(zmq.EVENTS)   # let the asyncio layer see what the direct reads consumed
         return n
 

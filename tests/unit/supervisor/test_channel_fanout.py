@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -170,6 +172,59 @@ def test_drain_reads_what_is_queued_during_the_coalescing_pause() -> None:
         assert got == 1
         assert isinstance(handler.seen[-1], m.Goodbye) and handler.seen[-1].reason.endswith("boom")
         assert channel.drain(handler) == 0   # nothing queued: no wait, nothing handled
+        _close(d, ctx, router, serve, s)
+
+    asyncio.run(main())
+
+
+def test_messages_are_handled_in_the_order_a_worker_sent_them_while_the_tick_drains() -> None:
+    """Hello before Ready, always: the tick's drain() must not overtake a message the loop already took.
+
+    Found by the full suite: a worker's Ready was refused as "before hello" (and its slot waited for
+    the ready timeout) when the receive loop had its Hello in hand but not yet handled, and drain()
+    in the arbiter's tick read and handled the Ready behind it first.
+    """
+    async def main() -> None:
+        d, ctx, router, channel, handler = _bound()
+        channel.coalesce_s = 0.0
+        serve = asyncio.create_task(channel.serve(handler))
+        stop = False
+
+        # The arbiter's tick wakes on an event (a child exit, an ops request ...) that can be seen in the
+        # same pass of the event loop as the worker socket's readability, just before it.
+        loop = asyncio.get_running_loop()
+        r, w = os.pipe()
+        due = asyncio.Event()
+        loop.add_reader(r, lambda: (os.read(r, 1), due.set()))
+
+        async def tick() -> None:
+            while not stop:
+                await due.wait()
+                due.clear()
+                channel.drain(handler)
+
+        ticker = asyncio.create_task(tick())
+        s = _dealer(ctx, d, b"w0")
+        sent = 0
+        for burst in range(10):
+            os.write(w, b"x")               # the tick's wake-up first ...
+            for _ in range(2):              # ... then a worker's Hello and Ready
+                sent += 1
+                s.send(m.encode(m.Heartbeat(slot=0, generation=sent, loop_lag=0.0, mono=0.0)), zmq.DONTWAIT)
+            time.sleep(0.02)                # the loop busy (a spawn): both fds ready in one pass
+            await asyncio.sleep(0.02)
+        loop.remove_reader(r)
+        os.close(r)
+        os.close(w)
+        for _ in range(300):
+            if len(handler.seen) >= sent:
+                break
+            await asyncio.sleep(0.01)
+        stop = True
+        due.set()
+        await ticker
+        got = [msg.generation for msg in handler.seen]
+        assert got == list(range(1, sent + 1)), got
         _close(d, ctx, router, serve, s)
 
     asyncio.run(main())
