@@ -292,6 +292,7 @@ class Sentinel(threading.Thread):
     HEAD_WAIT_S = 0.05
     #: After the 503 and FIN, what the client still sends is read and dropped this long (no RST).
     LINGER_S = 1.0
+    LINGER_READS = 4          # reads of a lingering connection per pass (64 KB each)
 
     def __init__(self, rt: AdmissionRuntime, listeners: list[socket.socket],
                  adopt: Callable[[socket.socket], None] | None) -> None:
@@ -432,7 +433,9 @@ class Sentinel(threading.Thread):
             keep = []
             for fd, deadline in self._linger:
                 done = now >= deadline
-                while not done:
+                for _ in range(self.LINGER_READS):   # bounded: a client that keeps sending cannot hold the GIL here
+                    if done:
+                        break
                     n, _ = heldsock.recv(fd)
                     if n == -heldsock.EAGAIN:
                         break

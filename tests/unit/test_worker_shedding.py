@@ -224,3 +224,33 @@ def test_the_sentinel_answers_the_accept_queue_while_a_handler_blocks(stall: flo
             assert sent is not None and sent.shed == len(refused)
             assert rt.snapshot()["shed"]["stall"] == len(refused)
     asyncio.run(main())
+
+
+def test_a_lingering_client_that_keeps_sending_costs_a_bounded_number_of_reads_per_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sentinel reads a shed connection's leftovers with the GIL held: a client that keeps sending
+    must not keep it in that loop (each pass reads at most LINGER_READS times, then moves on)."""
+    from numaserve.net import heldsock
+    from numaserve.worker.shedding import Sentinel
+
+    a, b = socket.socketpair()
+    try:
+        b.setblocking(False)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        a.setblocking(False)
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while sent < (4 << 20):
+                sent += a.send(b"x" * 65536)
+        calls = []
+        real_recv = heldsock.recv
+        monkeypatch.setattr(heldsock, "recv", lambda fd, peek=False: calls.append(fd) or real_recv(fd, peek))
+        s = Sentinel.__new__(Sentinel)       # only the lingering list: no listener, no thread
+        s._pending, s._linger = [], [(b.fileno(), time.monotonic() + 60.0)]
+        s._service(time.monotonic())
+        assert sent > Sentinel.LINGER_READS * 65536   # more queued than one pass reads
+        assert len(calls) == Sentinel.LINGER_READS
+        assert s._linger == [(b.fileno(), s._linger[0][1])]   # still lingering: its deadline has not come
+    finally:
+        a.close()
+        b.close()
