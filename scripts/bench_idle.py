@@ -63,7 +63,32 @@ def _threads(p: psutil.Process) -> dict[int, float]:
     return {t.id: t.user_time + t.system_time for t in p.threads()}
 
 
-def run(workers: int, window: float, pushes: int, profile: str | None, checkout: str = "") -> dict[str, Any]:
+def _syscalls(pid: int, window: float) -> dict[str, Any]:
+    """``strace -c`` of the supervisor's main (asyncio) thread over a second window: its wake-ups
+    (``epoll_wait`` calls: one per pass of the event loop) and reads of /proc, per second.
+
+    A second window, like the profile's: ptrace slows every syscall, so the CPU figure is never
+    taken while it runs.
+    """
+    if shutil.which("strace") is None:
+        return {"wakeups": "strace not installed"}
+    res = subprocess.run(["timeout", "-s", "INT", str(window), "strace", "-c", "-p", str(pid)],
+                         capture_output=True, text=True, check=False)
+    calls: dict[str, int] = {}
+    for line in res.stderr.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1].isidentifier() and parts[-1] != "total":
+            try:
+                calls[parts[-1]] = int(parts[3])
+            except ValueError:
+                continue
+    per_s = {k: round(v / window, 1) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])}
+    return {"main_thread_epoll_wait_per_s": per_s.get("epoll_wait", 0.0),
+            "main_thread_syscalls_per_s": dict(list(per_s.items())[:12])}
+
+
+def run(workers: int, window: float, pushes: int, profile: str | None, checkout: str = "",
+        wakeups: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"checkout": checkout or "this", "workers": workers, "window_s": window, "pushes": pushes}
     with Server(ServerConfig("numaserve", workers=workers, checkout=checkout)).start() as srv:
         srv.wait_ready(timeout=300.0)
@@ -77,6 +102,8 @@ def run(workers: int, window: float, pushes: int, profile: str | None, checkout:
         out["supervisor_idle_cpu_pct_python_thread"] = round(100.0 * main / dt, 3)
         out["supervisor_idle_cpu_pct_other_threads"] = round(
             100.0 * (sum(tb.values()) - sum(ta.get(t, 0.0) for t in tb) - main) / dt, 3)
+        if wakeups:
+            out.update(_syscalls(srv.master_pid, window))
         if profile:
             if shutil.which("py-spy") is None:
                 out["profile"] = "py-spy not installed"
@@ -123,6 +150,8 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=30.0, help="idle window, seconds")
     ap.add_argument("--pushes", type=int, default=100, help="ratelimit set round trips (and pings)")
     ap.add_argument("--profile", help="write a py-spy raw profile of the idle supervisor here")
+    ap.add_argument("--wakeups", action="store_true",
+                    help="also count the idle supervisor's main-thread syscalls (strace -c) over a second window")
     ap.add_argument("--baseline", default="", help="another numaserve source tree, run alternately with this one")
     ap.add_argument("--rounds", type=int, default=1, help="with --baseline: how many before/after pairs")
     args = ap.parse_args()
@@ -130,7 +159,7 @@ def main() -> int:
     for r in range(args.rounds if args.baseline else 1):
         for tree in (trees if r % 2 == 0 else trees[::-1]):
             prof = f"{args.profile}.{'base' if tree else 'this'}.{r}" if args.profile and args.baseline else args.profile
-            print(json.dumps(run(args.workers, args.window, args.pushes, prof, tree)), flush=True)
+            print(json.dumps(run(args.workers, args.window, args.pushes, prof, tree, args.wakeups)), flush=True)
     return 0
 
 

@@ -287,35 +287,43 @@ class _Known:
     """What a ``PlacementReader`` remembers of one process between checks."""
 
     policies: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    placed: dict[int, tuple[str, str | None]] = field(default_factory=dict)   # tid -> (CPUs, mems) as read
     pages: dict[int, int] = field(default_factory=dict)
     nbytes: dict[int, int] = field(default_factory=dict)
     checks: int = 0
     turn: int = 0
+    since_policy: int = 0      # checks since a known thread's policy was last re-read
 
 
 class PlacementReader:
     """Re-checks of the same processes at a fraction of ``read_placement``'s cost.
 
     Why: reading a thread's ``numa_maps`` makes the kernel walk page tables
-    (~0.4 ms per thread at 8 KB, ~1.7 ms for a worker's whole file), and the
-    supervisor re-checks every worker every ``verify_interval``.  What can
-    change between checks is read every time, cheaply: the thread list and
-    each thread's ``status`` (CPUs, cpuset mems).  A thread's memory policy
-    is read when the thread is first seen (a new thread starts with its
-    creator's policy, so a thread an app starts unbound shows up on the next
-    check); of the threads already known, one per check (in turn) has its
-    policy read again, so a policy changed later is found within as many
-    checks as the process has threads.  The process's pages per node
-    (the remote share) are read on the first check and then every
-    ``pages_every`` checks.  Unreadable policies are retried every check.
+    (~0.4 ms per thread at 8 KB, ~1.7 ms for a worker's whole file) and its
+    parse is most of the rest, and the supervisor re-checks every worker every
+    ``verify_interval``.  What anything *outside* the process can change is
+    read every check, cheaply: the thread list and each thread's ``status``
+    (CPUs: ``taskset``, a cgroup's cpuset; cpuset mems, which remap a policy
+    without static node ids).  A memory policy can only be changed by the
+    process itself (``set_mempolicy`` acts on the calling thread, ``mbind`` on
+    the caller's own memory), so policies are sampled: a thread's policy is
+    read when the thread is first seen (a thread an app starts unbound shows
+    up on the next check), and of the threads already known one (in turn) has
+    its policy read again on a check where a thread came or went or its CPUs
+    or mems changed, else on every ``policy_every``-th check: a policy the
+    worker's own code changed later is found within ``policy_every`` × its
+    threads checks.  The process's pages per node (the remote share) are read
+    on the first check and then every ``pages_every`` checks.  Unreadable
+    policies are retried every check.
     """
 
     def __init__(self, proc_root: str = "/proc", *, first_sample_bytes: int | None = 65536,
-                 sample_bytes: int | None = 8192, pages_every: int = 10) -> None:
+                 sample_bytes: int | None = 8192, pages_every: int = 10, policy_every: int = 3) -> None:
         self.proc_root = proc_root
         self.first_sample_bytes = first_sample_bytes
         self.sample_bytes = sample_bytes
         self.pages_every = max(1, pages_every)
+        self.policy_every = max(1, policy_every)
         self._known: dict[int, _Known] = {}
         self.policy_reads = 0      # numa_maps reads done (for tests and benchmarks)
         self.pages_reads = 0
@@ -336,27 +344,34 @@ class PlacementReader:
         if known is None:
             known = self._known[pid] = _Known()
         pdir = os.path.join(self.proc_root, str(pid))
-        tids = _list_tids(pdir, pid)
-        old = [t for t in tids if t in known.policies and known.policies[t][0] is not None]
-        again = old[known.turn % len(old)] if old and not first else None
-        known.turn += 1
+        status: dict[int, dict[str, str]] = {}
+        for tid in _list_tids(pdir, pid):
+            st = _thread_status(os.path.join(pdir, "task", str(tid)))
+            if st is not None:
+                status[tid] = st
+        placed = {tid: (st.get("Cpus_allowed_list", ""), st.get("Mems_allowed_list")) for tid, st in status.items()}
+        old = [t for t in status if t in known.policies and known.policies[t][0] is not None]
+        again = None
+        if old and not first and (placed != known.placed or known.since_policy + 1 >= self.policy_every):
+            again = old[known.turn % len(old)]
+            known.turn += 1
+        known.since_policy = 0 if again is not None else known.since_policy + 1
         threads = []
         seen: dict[int, tuple[str | None, str | None]] = {}
-        for tid in tids:
-            tdir = os.path.join(pdir, "task", str(tid))
-            st = _thread_status(tdir)
-            if st is None:
-                continue
+        for tid, st in status.items():
             got: object = known.policies.get(tid)
             if got is None or got[0] is None or tid == again:  # type: ignore[index]
                 self.policy_reads += 1
-                got = _thread_policy(tdir, self.first_sample_bytes if first else self.sample_bytes)
+                got = _thread_policy(os.path.join(pdir, "task", str(tid)),
+                                     self.first_sample_bytes if first else self.sample_bytes)
                 if got is _EMPTY:
+                    placed.pop(tid, None)
                     continue
             policy, perr = got  # type: ignore[misc]
             seen[tid] = (policy, perr)
             threads.append(_thread(tid, st, policy, perr))
         known.policies = seen   # threads that exited are forgotten
+        known.placed = placed
         if not threads and not os.path.isdir(pdir):
             del self._known[pid]
             raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone")

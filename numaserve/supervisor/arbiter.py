@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import time
@@ -84,15 +85,31 @@ from numaserve.supervisor.templates import TemplateManager
 log = structlog.get_logger("numaserve.supervisor")
 
 TICK = 0.2
-#: The tick while every slot is settled (``SlotState.settled``): nothing to restart,
-#: stop or hand over, so the loop wakes for SIGCHLD, messages and the deadlines
-#: it knows (the first heartbeat that could go missing, the systemd watchdog);
-#: the per-second duties (memory, fds, stats) keep their pace.  Half a second
-#: keeps /healthz's loop age well under a second.
-IDLE_TICK = 0.5
+#: The longest tick while every slot is settled (``SlotState.settled``): nothing to
+#: restart, stop or hand over, so the loop wakes for SIGCHLD, commands and the
+#: deadlines it knows (the beat grid, the first heartbeat that could go missing,
+#: the systemd watchdog); the per-second duties (memory, fds, stats) keep their
+#: pace, and /healthz's loop age stays far under its 5 s limit.
+IDLE_TICK = 1.0
+#: Settled, the tick comes this long after each point of the workers' beat grid
+#: (``numaserve.worker.control.next_beat_due``: every worker beats at
+#: ``k * heartbeat_interval`` + its slot's phase, ≤ 6.4 ms): one interval's beats
+#: are in the socket by then and the tick reads them all in one pass.
+BEAT_SETTLE_S = 0.03
 OPS_RO_BACKEND = "ops-ro-backend.sock"    # libzmq side of the read-only front door
 OPS_TCP_BACKEND = "ops-tcp-backend.sock"  # libzmq (CURVE) side of the TCP front door
 EVENTS_BACKEND = "events-backend.sock"    # libzmq PUB behind the events.sock front door
+
+
+def last_grid_point(now: float, interval: float, settle: float) -> float:
+    """The latest point ``k * interval`` of the beat grid whose beats are due in by ``now``
+    (``settle`` after it)."""
+    return math.floor((now - settle) / interval) * interval
+
+
+def after_grid(now: float, interval: float, settle: float) -> float:
+    """Seconds from ``now`` to ``settle`` after the next point of the beat grid."""
+    return last_grid_point(now, interval, settle) + interval + settle - now
 
 
 class Supervisor:
@@ -290,7 +307,9 @@ class Supervisor:
         self._spawn_all()
         try:
             while not self._tick(time.monotonic()):
-                await self._sleep(self._tick_in(time.monotonic()))
+                now = time.monotonic()
+                self.channel.hold(self._beats_in(now))
+                await self._sleep(self._tick_in(now))
         finally:
             await self._shutdown()
         return self._exit_status()
@@ -356,7 +375,7 @@ class Supervisor:
         self.lifecycle.watchdog(now)
         self.lifecycle.verify(now)
         self.limits.tick(now)
-        if now - self._last_mem >= 1.0:
+        if now - self._last_mem >= 0.9:   # once a second (settled ticks are 1 s apart, give or take)
             self._last_mem = now
             self.leakwatch.tick(now)
             if self.fdwatch is not None:
@@ -372,28 +391,43 @@ class Supervisor:
         self._notify(now)
         self._publish_stats(now)
 
+    def _settled(self) -> bool:
+        """Every slot settled and nothing else in motion (templates, external-command probes)."""
+        if self.stopping or self.state not in ("running", "degraded") or self.cmd_ready.tasks:
+            return False
+        if any(nt.next_start is not None for nt in self.templates.nodes.values()):
+            return False
+        return all(slot.settled() for slot in self.slots.values())
+
     def _tick_in(self, now: float) -> float:
-        """Seconds to the next tick: TICK while anything is in motion, else up to IDLE_TICK.
+        """Seconds to the next tick: TICK while anything is in motion; settled, just after the next
+        point of the beat grid (``BEAT_SETTLE_S``), at most IDLE_TICK away.
 
         Settled, the next tick still comes no later than the moment the
         oldest heartbeat would make its worker unresponsive, so leaving
         steering is as prompt as with the short tick.
         """
-        if self.stopping or self.state not in ("running", "degraded") or self.cmd_ready.tasks:
+        if not self._settled():
             return TICK
-        if any(nt.next_start is not None for nt in self.templates.nodes.values()):
-            return TICK
-        oldest = now
-        for slot in self.slots.values():
-            if not slot.settled():
-                return TICK
-            beat = slot.worker.last_beat  # type: ignore[union-attr]  (settled: a serving worker that beat)
-            if beat is not None and beat < oldest:
-                oldest = beat
+        oldest = min((s.worker.last_beat for s in self.slots.values()  # type: ignore[union-attr]
+                      if s.worker is not None and s.worker.last_beat is not None), default=now)
         due = oldest + self.unresponsive_after() + 0.005 - now
         wd = self.notifier.watchdog_interval
         limit = min(IDLE_TICK, wd / 4.0) if wd else IDLE_TICK
-        return max(0.01, min(limit, due))
+        return max(0.01, min(limit, due, after_grid(now, self.cfg.supervisor.heartbeat_interval, BEAT_SETTLE_S)))
+
+    def _beats_in(self, now: float) -> bool:
+        """Settled, and every worker's beat of the last grid point has been read: the channel may
+        leave the next ones for the tick after the next grid point (``WorkerChannel.hold``).
+
+        A beat that is late (a busy worker, an off-grid beat after a blocked loop) ends the hold,
+        so it is read within the coalescing pause and its silence is timed as precisely as before.
+        """
+        if not self._settled():
+            return False
+        since = last_grid_point(now, self.cfg.supervisor.heartbeat_interval, BEAT_SETTLE_S)
+        return all(s.worker is not None and s.worker.last_beat is not None and s.worker.last_beat >= since
+                   for s in self.slots.values())
 
     async def _sleep(self, timeout: float = TICK) -> None:
         """Until the next tick (``timeout``), or earlier when SIGCHLD or a message wakes the loop."""

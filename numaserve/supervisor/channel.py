@@ -5,6 +5,12 @@ One ZeroMQ ROUTER socket; every decoded message goes to a callback
 Out: commands to one worker or to all, each matched with its Ack by
 (command id, slot, generation).  ``sticky`` commands are replayed to every
 worker that says Hello later, so a setting with an epoch reaches new workers.
+
+Every send and receive is a direct, non-blocking call on the libzmq socket;
+the event loop watches the socket's fd only while this channel wants to be
+woken (``serve`` waiting for a message), never during a coalescing pause or
+a hold (``hold``): pyzmq's asyncio layer would keep a reader on that fd for
+good and wake the loop for every worker whose pipe turned readable.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class WorkerChannel:
         self._sync_of: zmq.asyncio.Socket | None = None
         self.coalesce_s = COALESCE_S
         self._hurry: asyncio.Future[None] | None = None   # set while serve() pauses to coalesce
+        self.held = False         # ``hold``: between passes, wait for a command or ``hold(False)``, not the fd
         self.wakeups = 0          # receive passes (each: one wake-up of the loop for this socket)
         self.received = 0         # messages read
 
@@ -66,11 +73,10 @@ class WorkerChannel:
         and a ``drain()`` in between would handle the next one first (a worker's Ready before its
         Hello: refused, and the slot waited for the ready timeout).
         """
-        sock = self.sock
-        assert sock is not None
+        assert self.sock is not None
         while True:
             try:
-                await sock.poll(flags=zmq.POLLIN)
+                await self._readable()
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
@@ -78,13 +84,48 @@ class WorkerChannel:
                 await asyncio.sleep(0.05)
                 continue
             n = self._read_queued(handler)
-            if n == 0:   # drain() took them first
+            if n == 0:   # drain() took them first, or the fd signalled something else (POLLOUT)
                 continue
             self.wakeups += 1
-            if self._acks or self.coalesce_s <= 0 or n >= RECV_BATCH:
+            if self._acks or n >= RECV_BATCH:
                 await asyncio.sleep(0)
-            else:
+            elif self.held:
+                await self._pause(None)
+            elif self.coalesce_s > 0:
                 await self._pause(self.coalesce_s)
+            else:
+                await asyncio.sleep(0)
+
+    async def _readable(self) -> None:
+        """Until a message is queued: the fd is watched only for this wait.
+
+        libzmq's fd is edge-triggered: reading ``EVENTS`` processes what the
+        I/O thread signalled, so a message that comes after this check makes
+        the fd readable again and the watch sees it.
+        """
+        sync = self._sync_sock()
+        if sync.get(zmq.EVENTS) & zmq.POLLIN:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        fd = sync.get(zmq.FD)
+        loop.add_reader(fd, _done, fut)
+        try:
+            await fut
+        finally:
+            loop.remove_reader(fd)
+
+    def hold(self, on: bool) -> None:
+        """``True``: after a pass, leave messages queued until a command expects Acks, ``hold(False)``,
+        or the supervisor's tick reads them (``drain``); ``False``: read as they come (coalesced).
+
+        Why: while every slot is settled the tick reads the beats right after each beat
+        grid point anyway; without the hold the channel woke the loop several times a second
+        for the same beats.  The supervisor holds only while every beat it expects is in.
+        """
+        self.held = on
+        if not on:
+            self._hurry_up()
 
     def _read_queued(self, handler: cp.WorkerMessages) -> int:
         """Handle up to a batch of queued messages through the direct socket; how many."""
@@ -100,16 +141,17 @@ class WorkerChannel:
         self.received += n
         return n
 
-    async def _pause(self, seconds: float) -> None:
-        """Sleep ``seconds`` unless a command is sent meanwhile (``_hurry_up``)."""
+    async def _pause(self, seconds: float | None) -> None:
+        """Sleep ``seconds`` (None: until woken) unless a command is sent meanwhile (``_hurry_up``)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._hurry = fut
-        timer = loop.call_later(seconds, _done, fut)
+        timer = loop.call_later(seconds, _done, fut) if seconds is not None else None
         try:
             await fut
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self._hurry = None
 
     def _hurry_up(self) -> None:
@@ -119,10 +161,10 @@ class WorkerChannel:
             _done(fut)
 
     def _sync_sock(self) -> zmq.Socket:
-        """The same libzmq socket without the asyncio layer, for sends and receives that never wait.
+        """The same libzmq socket without the asyncio layer: every send and receive of this channel.
 
-        After using it, ``self.sock.get(zmq.EVENTS)`` lets the asyncio layer see
-        events the direct calls consumed (libzmq's fd is edge-triggered).
+        The asyncio socket itself is never used for I/O, so pyzmq never puts its own
+        (permanent) reader on the fd.
         """
         assert self.sock is not None
         if self._sync is None or self._sync_of is not self.sock:
@@ -138,10 +180,7 @@ class WorkerChannel:
         """
         if self.sock is None:
             return 0
-        n = self._read_queued(handler)
-        if n:
-            self.sock.get(zmq.EVENTS)   # let the asyncio layer see what the direct reads consumed
-        return n
+        return self._read_queued(handler)
 
     def resolve(self, ack: m.Ack) -> None:
         """An Ack arrived: wake whoever waits for it (late or unknown Acks are dropped)."""
@@ -150,17 +189,19 @@ class WorkerChannel:
             fut.set_result(ack)
 
     def send_soon(self, w: S.WorkerProc, msg: m.Msg) -> None:
-        asyncio.get_running_loop().create_task(self._send(w, msg))
+        """Send now, without waiting (a full or gone peer drops it: Stop/Drain are backed by deadlines)."""
+        self._send(w, msg)
 
     def replay_sticky(self, w: S.WorkerProc) -> None:
         for name, args in self.sticky.items():
             self.send_soon(w, m.Command(id=f"sticky-{name}-{uuid.uuid4().hex[:6]}", name=name, args=args))
 
-    async def _send(self, w: S.WorkerProc, msg: m.Msg) -> bool:
+    def _send(self, w: S.WorkerProc, msg: m.Msg) -> bool:
+        """One message to one worker, non-blocking, in call order (no task per message)."""
         if w.identity is None or self.sock is None:
             return False
         try:
-            await self.sock.send_multipart([w.identity, m.encode(msg)], flags=zmq.NOBLOCK)
+            self._sync_sock().send_multipart([w.identity, m.encode(msg)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError:
             return False
@@ -173,7 +214,7 @@ class WorkerChannel:
         fut: asyncio.Future[m.Ack] = asyncio.get_running_loop().create_future()
         self._acks[(cid, slot.plan.slot, w.generation)] = fut
         self._hurry_up()
-        await self._send(w, m.Command(id=cid, name=name, args=args))
+        self._send(w, m.Command(id=cid, name=name, args=args))
         try:
             ack = await asyncio.wait_for(fut, timeout)
             return {"ok": ack.ok, "detail": ack.detail}
@@ -186,8 +227,7 @@ class WorkerChannel:
         """Fire-and-forget named command to one worker (its Ack is logged)."""
         if w.identity is None or w.external or w.popen.poll() is not None:
             return
-        cmd = m.Command(id=f"{name}-{uuid.uuid4().hex[:8]}", name=name, args=args)
-        asyncio.get_running_loop().create_task(self._send(w, cmd))
+        self._send(w, m.Command(id=f"{name}-{uuid.uuid4().hex[:8]}", name=name, args=args))
 
     async def command_each(self, targets: Sequence[tuple[int, S.WorkerProc, dict[str, Any]]], name: str, *,
                            timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -215,8 +255,6 @@ class WorkerChannel:
                 self._acks.pop(key, None)
                 fut = None  # type: ignore[assignment]
             futs.append(fut)
-        if self.sock is not None:
-            self.sock.get(zmq.EVENTS)   # what the direct sends consumed, for the asyncio layer
         pending = [f for f in futs if f is not None]
         if pending:
             self._hurry_up()

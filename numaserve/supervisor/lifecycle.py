@@ -371,7 +371,8 @@ class Lifecycle:
                     w.remote_share = None if share is None else round(share, 4)
             except (OSError, ValueError) as e:
                 ok, problems = False, [f"could not read /proc/{w.pid}: {e}"]
-            w.rss_bytes = read_statm_rss(w.pid) or w.rss_bytes
+            if w is not slot.worker:   # the leak watch reads the serving worker's statm every second
+                w.rss_bytes = read_statm_rss(w.pid) or w.rss_bytes
             changed = w.verified != ok or w.verify_problems != problems
             w.verified, w.verify_problems, w.verified_at = ok, problems, now
             if changed:

@@ -48,7 +48,10 @@ __all__ = [
 #: whole interval's beats in one wake-up (its coalescing window is longer).
 BEAT_PHASE_STEP_S = 0.0001
 _BEAT_PHASE_SLOTS = 64
-_MIN_BEAT_GAP = 0.8      # of an interval: how a late beat gets back onto the grid
+#: Of an interval: the shortest gap after a late beat, so it is back on the grid within two
+#: beats (the supervisor reads on-grid beats once per grid point, and reads as they come
+#: while any is off it: ``numaserve.supervisor.arbiter.Supervisor._beats_in``).
+_MIN_BEAT_GAP = 0.5
 
 
 def beat_phase(slot: int) -> float:
@@ -58,15 +61,17 @@ def beat_phase(slot: int) -> float:
 
 def next_beat_due(now: float, interval: float, phase: float = 0.0) -> float:
     """When the beat after one sent at ``now`` is due: the next point of the grid
-    ``k * interval + phase`` (CLOCK_MONOTONIC), but never less than 0.8 and never
+    ``k * interval + phase`` (CLOCK_MONOTONIC), but never less than half and never
     more than 1 interval away.
 
     Every process on the host reads the same monotonic clock, so workers that
     beat on the grid send one interval's beats within a few milliseconds of
     each other and the supervisor drains them in one wake-up instead of one
     wake-up per worker spread over the second.  A beat that came late (a
-    blocked loop) is not followed by a second one at once: the next ones come
-    0.8 interval apart until they are back on the grid.  Never more than one
+    blocked loop) is not followed by a second one at once: the next comes at
+    least half an interval later, and the one after that is on the grid again
+    (at most two beats off it, so the supervisor's once-per-grid-point reads
+    are suspended only briefly).  Never more than one
     interval, so hang detection (``unresponsive_after`` > one interval) reads
     silence exactly as before.
     """

@@ -369,10 +369,31 @@ def test_reader_finds_a_policy_changed_later_within_one_round(tmp_path: Path) ->
     reader = verify.PlacementReader(str(tmp_path))
     reader.read(60)
     _set_thread(tmp_path, 60, 61, "t61", "1", maps_with("prefer:0"))
-    verdicts = [check_placement(reader.read(60), cpus=[1], mempolicy="bind", nodes=[1])[0] for _ in range(3)]
-    assert False in verdicts                 # each known thread's policy is re-read within 3 checks
+    rounds = 3 * reader.policy_every         # nothing else changed: one policy every policy_every checks
+    verdicts = [check_placement(reader.read(60), cpus=[1], mempolicy="bind", nodes=[1])[0] for _ in range(rounds)]
+    assert False in verdicts                 # each known thread's policy is re-read within one round
     assert check_placement(reader.read(60), cpus=[1], mempolicy="bind", nodes=[1]) == (
         False, ["thread 61 (t61) policy prefer:0, expected bind=static:1"])
+
+
+def test_reader_samples_policies_of_an_unchanged_process_and_reads_one_at_once_after_a_change(
+        tmp_path: Path) -> None:
+    """The thread list and every thread's CPUs and mems are read each check; numa_maps (the costly part)
+    only every ``policy_every``-th check while they stay the same, and on the check that sees a change."""
+    make_proc(tmp_path, 90, {90: ("main", "1", maps_with("bind=static:1")),
+                             91: ("io", "1", maps_with("bind=static:1"))})
+    reader = verify.PlacementReader(str(tmp_path), policy_every=4)
+    reader.read(90)
+    reader.policy_reads = 0
+    for _ in range(8):
+        reader.read(90)
+    assert reader.policy_reads == 2              # checks 4 and 8
+    _set_thread(tmp_path, 90, 91, "io", "0-1", maps_with("prefer:0"))   # moved by taskset, and its policy changed
+    obs = reader.read(90)
+    assert reader.policy_reads == 3              # the change itself brings a policy read
+    assert "thread 91 (io) runs on 0-1, expected 1" in check_placement(obs, cpus=[1], mempolicy="bind", nodes=[1])[1]
+    verdicts = [reader.read(90) for _ in range(2 * 4)]
+    assert any(t.policy == "prefer:0" for o in verdicts for t in o.threads)   # within policy_every x threads
 
 
 def test_reader_fresh_and_forget_start_over(tmp_path: Path) -> None:
