@@ -1,10 +1,14 @@
 """The worker's side of the control channel: a ZeroMQ DEALER and a command dispatcher.
 
-The channel is created inside the running event loop (zmq.asyncio), i.e.
-after the launcher bound CPU and memory, so libzmq's I/O thread inherits the
-binding (FACTS §1.6).  Sends never block the loop: they are ``DONTWAIT`` and a
-full queue drops the message (counted) — a stuck supervisor must not stall
-serving; heartbeats are periodic anyway.
+The channel is created inside the running event loop, i.e. after the
+launcher bound CPU and memory, so libzmq's I/O thread inherits the binding
+(FACTS §1.6).  Sends never block the loop: they are ``DONTWAIT`` and a full
+queue drops the message (counted) — a stuck supervisor must not stall
+serving; heartbeats are periodic anyway.  Every send and receive is a direct
+call on the libzmq socket; the loop watches the socket's fd only while
+``recv`` waits (pyzmq's asyncio layer would add a future, a task step and a
+reader that fires for every send's completion to each Command the worker
+answers: with 32 workers on 2 CPUs that is most of a fan-out's time).
 
 The dispatcher is separate and transport-free so it is unit-tested with a
 fake ``post``.  Malformed frames are counted and dropped, never fatal.
@@ -12,6 +16,7 @@ fake ``post``.  Malformed frames are counted and dropped, never fatal.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
@@ -19,7 +24,6 @@ import math
 from typing import Any, Callable, Protocol
 
 import zmq
-import zmq.asyncio
 
 from numaserve.control.messages import (
     Ack,
@@ -103,7 +107,7 @@ class ControlChannel:
         self.identity = identity
         self.linger_ms = linger_ms
         self.dropped = 0
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
@@ -117,20 +121,36 @@ class ControlChannel:
         if self._closed:
             self.dropped += 1
             return False
-        fut = self._sock.send(encode(msg), flags=zmq.DONTWAIT)
-        if fut.done():
-            if fut.exception() is None:
-                return True
-        else:  # cannot happen with DONTWAIT, but never leave a future unobserved
-            fut.add_done_callback(lambda f: f.exception())
+        try:
+            self._sock.send(encode(msg), zmq.DONTWAIT)
             return True
-        self.dropped += 1
-        return False
+        except zmq.ZMQError:   # EAGAIN: the queue to the supervisor is full
+            self.dropped += 1
+            return False
 
     async def recv(self) -> bytes:
-        """Next message payload (last frame)."""
-        frames = await self._sock.recv_multipart()
-        return frames[-1] if frames else b""
+        """Next message payload (last frame): read at once when one is queued, else after the fd says so."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                return frames[-1] if frames else b""
+            except zmq.Again:
+                pass
+            await self._readable()
+
+    async def _readable(self) -> None:
+        """Until a message may be queued.  libzmq's fd is edge-triggered: ``EVENTS`` (read here, and by
+        every recv) processes what the I/O thread signalled, so what comes after it wakes the watch."""
+        if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        fd = self._sock.get(zmq.FD)
+        loop.add_reader(fd, _wake, fut)
+        try:
+            await fut
+        finally:
+            loop.remove_reader(fd)
 
     def close(self, linger_ms: int | None = None) -> None:
         """Close, letting queued messages (e.g. Goodbye) flush for up to ``linger_ms``."""
@@ -140,6 +160,11 @@ class ControlChannel:
         linger = self.linger_ms if linger_ms is None else linger_ms
         self._sock.close(linger=linger)
         self._ctx.term()
+
+
+def _wake(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class WorkerActions(Protocol):
