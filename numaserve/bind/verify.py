@@ -171,13 +171,24 @@ def task_policy_token(vmas: Iterable[Vma]) -> str | None:
 
 
 def _read(path: str, limit: int | None = None) -> str:
-    with open(path, "rb") as f:
-        if limit is None:
-            data = f.read()
-        else:
-            data = f.read(limit)
-            if len(data) >= limit:  # drop the partial last line
-                data = data[: data.rfind(b"\n") + 1]
+    """A /proc file's text (its first ``limit`` bytes, whole lines only): plain ``os`` calls, no file
+    object (open/read/close, not the seven syscalls and two objects of ``open()``: the re-checks read
+    a few of these per worker and second)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        got = 0
+        while limit is None or got < limit:
+            b = os.read(fd, 65536 if limit is None else min(65536, limit - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if limit is not None and len(data) >= limit:  # drop the partial last line
+        data = data[: data.rfind(b"\n") + 1]
     return data.decode("utf-8", "replace")
 
 
@@ -187,13 +198,27 @@ def read_numa_maps(pid: int, tid: int | None = None, proc_root: str = "/proc") -
     return parse_numa_maps(_read(os.path.join(base, "numa_maps")))
 
 
-def _status_fields(text: str) -> dict[str, str]:
+def _status_fields(text: str, keys: tuple[str, ...] | None = None) -> dict[str, str]:
+    """``status`` lines as a dict; with ``keys``, only those fields (found without splitting every line)."""
     out = {}
+    if keys is not None:
+        for key in keys:
+            i = text.find("\n" + key + ":")
+            if i < 0 and not text.startswith(key + ":"):
+                continue
+            start = (i + 1 if i >= 0 else 0) + len(key) + 1
+            end = text.find("\n", start)
+            out[key] = text[start:end if end >= 0 else len(text)].strip()
+        return out
     for line in text.splitlines():
         k, sep, v = line.partition(":")
         if sep:
             out[k.strip()] = v.strip()
     return out
+
+
+#: The ``status`` fields a placement check uses.
+_STATUS_KEYS = ("Name", "State", "Cpus_allowed_list", "Mems_allowed_list")
 
 
 _GONE = (errno.ENOENT, errno.ESRCH)
@@ -202,7 +227,7 @@ _GONE = (errno.ENOENT, errno.ESRCH)
 def _thread_status(tdir: str) -> dict[str, str] | None:
     """A thread's ``status`` fields; None when it is gone or exiting (nothing to judge)."""
     try:
-        st = _status_fields(_read(os.path.join(tdir, "status")))
+        st = _status_fields(_read(os.path.join(tdir, "status")), _STATUS_KEYS)
     except OSError as e:
         if e.errno in _GONE:
             return None
@@ -233,8 +258,10 @@ def _list_tids(pdir: str, pid: int) -> list[int]:
         raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone") from None
 
 
-def _thread(tid: int, st: dict[str, str], policy: str | None, perr: str | None) -> ThreadPlacement:
-    cpus = parse_list(st.get("Cpus_allowed_list", ""))
+def _thread(tid: int, st: dict[str, str], policy: str | None, perr: str | None,
+            cpus: tuple[int, ...] | None = None) -> ThreadPlacement:
+    if cpus is None:
+        cpus = parse_list(st.get("Cpus_allowed_list", ""))
     mems = parse_list(st["Mems_allowed_list"]) if "Mems_allowed_list" in st else None
     return ThreadPlacement(tid, st.get("Name", "?"), cpus, policy, mems, perr)
 
@@ -287,7 +314,8 @@ class _Known:
     """What a ``PlacementReader`` remembers of one process between checks."""
 
     policies: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
-    placed: dict[int, tuple[str, str | None]] = field(default_factory=dict)   # tid -> (CPUs, mems) as read
+    status: dict[int, dict[str, str]] = field(default_factory=dict)           # tid -> its last ``status`` read
+    placed: dict[int, tuple[tuple[int, ...], str | None]] = field(default_factory=dict)   # tid -> (CPUs, mems)
     pages: dict[int, int] = field(default_factory=dict)
     nbytes: dict[int, int] = field(default_factory=dict)
     checks: int = 0
@@ -302,9 +330,12 @@ class PlacementReader:
     (~0.4 ms per thread at 8 KB, ~1.7 ms for a worker's whole file) and its
     parse is most of the rest, and the supervisor re-checks every worker every
     ``verify_interval``.  What anything *outside* the process can change is
-    read every check, cheaply: the thread list and each thread's ``status``
-    (CPUs: ``taskset``, a cgroup's cpuset; cpuset mems, which remap a policy
-    without static node ids).  A memory policy can only be changed by the
+    read every check, cheaply: the thread list and each thread's CPUs
+    (``taskset``, a cgroup's cpuset: ``sched_getaffinity``, a syscall, on the
+    live /proc; a thread's ``status`` costs ~50 µs for the kernel to print);
+    a thread's whole ``status`` (name, state, cpuset mems, which remap a
+    policy without static node ids) is read when the thread is new and every
+    ``policy_every``-th check.  A memory policy can only be changed by the
     process itself (``set_mempolicy`` acts on the calling thread, ``mbind`` on
     the caller's own memory), so policies are sampled: a thread's policy is
     read when the thread is first seen (a thread an app starts unbound shows
@@ -324,8 +355,10 @@ class PlacementReader:
         self.sample_bytes = sample_bytes
         self.pages_every = max(1, pages_every)
         self.policy_every = max(1, policy_every)
+        self._live = os.path.realpath(proc_root) == "/proc"   # tids are this system's: syscalls may ask them
         self._known: dict[int, _Known] = {}
         self.policy_reads = 0      # numa_maps reads done (for tests and benchmarks)
+        self.status_reads = 0      # thread ``status`` reads done
         self.pages_reads = 0
 
     def forget(self, keep: Iterable[int]) -> None:
@@ -344,12 +377,24 @@ class PlacementReader:
         if known is None:
             known = self._known[pid] = _Known()
         pdir = os.path.join(self.proc_root, str(pid))
+        full = first or known.since_policy + 1 >= self.policy_every   # every status read in full on this check
         status: dict[int, dict[str, str]] = {}
+        cpus: dict[int, tuple[int, ...]] = {}
         for tid in _list_tids(pdir, pid):
-            st = _thread_status(os.path.join(pdir, "task", str(tid)))
-            if st is not None:
-                status[tid] = st
-        placed = {tid: (st.get("Cpus_allowed_list", ""), st.get("Mems_allowed_list")) for tid, st in status.items()}
+            st = None if full else known.status.get(tid)
+            if st is not None and self._live:
+                try:
+                    cpus[tid] = tuple(sorted(os.sched_getaffinity(tid)))
+                except OSError:   # gone (ESRCH) or not ours to read: read its status instead
+                    st = None
+            if st is None or tid not in cpus:
+                self.status_reads += 1
+                st = _thread_status(os.path.join(pdir, "task", str(tid)))
+                if st is None:
+                    continue
+                cpus[tid] = parse_list(st.get("Cpus_allowed_list", ""))
+            status[tid] = st
+        placed = {tid: (cpus[tid], st.get("Mems_allowed_list")) for tid, st in status.items()}
         old = [t for t in status if t in known.policies and known.policies[t][0] is not None]
         again = None
         if old and not first and (placed != known.placed or known.since_policy + 1 >= self.policy_every):
@@ -369,8 +414,9 @@ class PlacementReader:
                     continue
             policy, perr = got  # type: ignore[misc]
             seen[tid] = (policy, perr)
-            threads.append(_thread(tid, st, policy, perr))
+            threads.append(_thread(tid, st, policy, perr, cpus[tid]))
         known.policies = seen   # threads that exited are forgotten
+        known.status = {tid: status[tid] for tid in seen}
         known.placed = placed
         if not threads and not os.path.isdir(pdir):
             del self._known[pid]

@@ -58,6 +58,7 @@ class WorkerChannel:
         self._sync_of: zmq.asyncio.Socket | None = None
         self.coalesce_s = COALESCE_S
         self._hurry: asyncio.Future[None] | None = None   # set while serve() pauses to coalesce
+        self._watch: asyncio.Future[None] | None = None   # set while serve() watches the fd
         self.held = False         # ``hold``: between passes, wait for a command or ``hold(False)``, not the fd
         self.wakeups = 0          # receive passes (each: one wake-up of the loop for this socket)
         self.received = 0         # messages read
@@ -75,6 +76,8 @@ class WorkerChannel:
         """
         assert self.sock is not None
         while True:
+            if self.held and not self._acks:
+                await self._pause(None)
             try:
                 await self._readable()
             except asyncio.CancelledError:
@@ -84,20 +87,20 @@ class WorkerChannel:
                 await asyncio.sleep(0.05)
                 continue
             n = self._read_queued(handler)
-            if n == 0:   # drain() took them first, or the fd signalled something else (POLLOUT)
+            if n == 0:   # drain() took them first, the fd signalled something else (POLLOUT), or hold()
                 continue
             self.wakeups += 1
             if self._acks or n >= RECV_BATCH:
                 await asyncio.sleep(0)
             elif self.held:
-                await self._pause(None)
+                continue
             elif self.coalesce_s > 0:
                 await self._pause(self.coalesce_s)
             else:
                 await asyncio.sleep(0)
 
     async def _readable(self) -> None:
-        """Until a message is queued: the fd is watched only for this wait.
+        """Until a message is queued (or ``hold`` asks to stop watching): the fd is watched only for this wait.
 
         libzmq's fd is edge-triggered: reading ``EVENTS`` processes what the
         I/O thread signalled, so a message that comes after this check makes
@@ -110,9 +113,11 @@ class WorkerChannel:
         fut: asyncio.Future[None] = loop.create_future()
         fd = sync.get(zmq.FD)
         loop.add_reader(fd, _done, fut)
+        self._watch = fut
         try:
             await fut
         finally:
+            self._watch = None
             loop.remove_reader(fd)
 
     def hold(self, on: bool) -> None:
@@ -123,9 +128,13 @@ class WorkerChannel:
         grid point anyway; without the hold the channel woke the loop several times a second
         for the same beats.  The supervisor holds only while every beat it expects is in.
         """
+        if on == self.held:
+            return
         self.held = on
         if not on:
             self._hurry_up()
+        elif self._watch is not None:
+            _done(self._watch)   # stop watching the fd now, not after the next message
 
     def _read_queued(self, handler: cp.WorkerMessages) -> int:
         """Handle up to a batch of queued messages through the direct socket; how many."""

@@ -288,6 +288,35 @@ def test_real_bound_child_is_seen_bound_in_every_thread() -> None:
 
 
 @needs_cpu1
+def test_reader_rechecks_a_real_process_cpus_by_syscall_and_sees_a_taskset_at_once() -> None:
+    p, pid = start_child([sys.executable, "-c", CHILD])
+    try:
+        reader = verify.PlacementReader(policy_every=4)
+        first = reader.read(pid)
+        n = len(first.threads)
+        assert n == 4 and reader.status_reads == n
+        reader.status_reads = reader.policy_reads = 0
+        again = reader.read(pid)                  # nothing changed: CPUs by syscall, no status, no numa_maps
+        assert (reader.status_reads, reader.policy_reads) == (0, 0)
+        assert [t.cpus for t in again.threads] == [t.cpus for t in first.threads]
+        assert [t.name for t in again.threads] == [t.name for t in first.threads]
+        moved = first.threads[-1].tid
+        os.sched_setaffinity(moved, {0})          # what taskset -p does from outside
+        obs = reader.read(pid)
+        assert next(t.cpus for t in obs.threads if t.tid == moved) == (0,)
+        assert (reader.status_reads, reader.policy_reads) == (0, 1)   # seen by syscall; one policy re-read
+        ok, problems = check_placement(obs, cpus=[1], mempolicy="default", nodes=[0])
+        assert f"thread {moved} ({first.threads[-1].name}) runs on 0, expected 1" in problems
+        for _ in range(3):
+            reader.read(pid)
+        assert reader.status_reads == 0
+        reader.read(pid)                          # the policy_every-th check since: every status in full
+        assert reader.status_reads == n
+    finally:
+        stop_child(p)
+
+
+@needs_cpu1
 def test_real_unbound_child_is_reported() -> None:
     p, pid = start_child([sys.executable, "-c", CHILD])
     try:

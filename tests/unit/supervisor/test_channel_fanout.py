@@ -233,3 +233,47 @@ def test_messages_are_handled_in_the_order_a_worker_sent_them_while_the_tick_dra
 def test_drain_before_the_socket_is_bound_is_a_no_op() -> None:
     channel = WorkerChannel({})
     assert channel.drain(Handler(channel)) == 0
+
+
+def test_held_channel_leaves_beats_for_the_tick_and_never_watches_the_fd_meanwhile() -> None:
+    """While held (every slot settled, every beat in), worker messages wake nothing: the fd is not in the
+    loop's selector, the tick's drain() reads them; a command's Acks and hold(False) end the hold."""
+    async def main() -> None:
+        d, ctx, router, channel, handler = _bound()
+        serve = asyncio.create_task(channel.serve(handler))
+        dealer = _dealer(ctx, d, b"w0")
+        await dealer.send(m.encode(m.Ready(slot=0, generation=1)))
+        while len(handler.seen) < 1:
+            await asyncio.sleep(0.01)
+        channel.hold(True)
+        await asyncio.sleep(0.05)             # the coalescing pause ends: from now on the hold
+        fd = channel._sync_sock().get(zmq.FD)
+        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        for i in range(5):
+            await dealer.send(m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=float(i))))
+        await asyncio.sleep(0.1)
+        assert len(handler.seen) == 1 and channel.wakeups == 1
+        assert fd not in selector.get_map()   # nothing can wake the loop for this socket
+        assert channel.drain(handler) == 5    # the tick reads them, in order
+        assert [x.mono for x in handler.seen[1:]] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+        async def answer() -> None:
+            cmd = m.decode_from_supervisor((await dealer.recv_multipart())[-1])
+            await dealer.send(m.encode(m.Ack(slot=0, generation=1, ref=cmd.id)))
+
+        responder = asyncio.create_task(answer())
+        w = SimpleNamespace(identity=b"w0", generation=1)
+        [res] = await channel.command_each([(0, w, {})], "ping", timeout=5.0)   # Acks are read as they come
+        assert res["ok"], res
+        await responder
+        await dealer.send(m.encode(m.Goodbye(slot=0, generation=1, reason="bye")))
+        await asyncio.sleep(0.1)
+        channel.hold(False)                   # released: what is queued is read at once
+        for _ in range(100):
+            if isinstance(handler.seen[-1], m.Goodbye):
+                break
+            await asyncio.sleep(0.01)
+        assert isinstance(handler.seen[-1], m.Goodbye)
+        _close(d, ctx, router, serve, dealer)
+
+    asyncio.run(main())
