@@ -184,12 +184,16 @@ class WorkerChannel:
     def drain(self, handler: cp.WorkerMessages) -> int:
         """Handle every message already queued, now (no wait; 0 when the socket is not bound yet).
 
-        Why: the receive loop pauses up to ``COALESCE_S`` between passes, and a worker's last words
-        (a Goodbye naming why its app failed to load) must be read before its exit is judged.
+        Why: the receive loop pauses up to ``COALESCE_S`` between passes (and, held, until this is
+        called), and a worker's last words (a Goodbye naming why its app failed to load) must be read
+        before its exit is judged.
         """
         if self.sock is None:
             return 0
-        return self._read_queued(handler)
+        n = self._read_queued(handler)
+        if n >= RECV_BATCH and self._watch is not None:
+            _done(self._watch)   # more may be queued, and these reads took the fd's edge: serve() reads on
+        return n
 
     def resolve(self, ack: m.Ack) -> None:
         """An Ack arrived: wake whoever waits for it (late or unknown Acks are dropped)."""
