@@ -191,8 +191,8 @@ class WorkerChannel:
         if self.sock is None:
             return 0
         n = self._read_queued(handler)
-        if n >= RECV_BATCH and self._watch is not None:
-            _done(self._watch)   # more may be queued, and these reads took the fd's edge: serve() reads on
+        if n:
+            self._recheck()      # more may be queued (a full batch), and these reads took the fd's edge
         return n
 
     def resolve(self, ack: m.Ack) -> None:
@@ -215,9 +215,17 @@ class WorkerChannel:
             return False
         try:
             self._sync_sock().send_multipart([w.identity, m.encode(msg)], zmq.NOBLOCK)
-            return True
         except zmq.ZMQError:
             return False
+        self._recheck()
+        return True
+
+    def _recheck(self) -> None:
+        """A send (or a read outside ``serve``) processes libzmq's pending commands, and with them the
+        fd's edge for messages that came meanwhile: a waiting ``serve`` must look again."""
+        fut = self._watch
+        if fut is not None and not fut.done() and self._sync_sock().get(zmq.EVENTS) & zmq.POLLIN:
+            fut.set_result(None)
 
     async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]:
@@ -268,6 +276,8 @@ class WorkerChannel:
                 self._acks.pop(key, None)
                 fut = None  # type: ignore[assignment]
             futs.append(fut)
+        if sync is not None:
+            self._recheck()
         pending = [f for f in futs if f is not None]
         if pending:
             self._hurry_up()

@@ -115,6 +115,7 @@ class ControlChannel:
         self._sock.setsockopt(zmq.RCVHWM, 1000)
         self._sock.connect(endpoint)
         self._closed = False
+        self._watch: asyncio.Future[None] | None = None   # set while recv() watches the fd
 
     def post(self, msg: Msg) -> bool:
         """Queue ``msg`` without blocking; False (and counted) if it was dropped."""
@@ -123,10 +124,18 @@ class ControlChannel:
             return False
         try:
             self._sock.send(encode(msg), zmq.DONTWAIT)
-            return True
         except zmq.ZMQError:   # EAGAIN: the queue to the supervisor is full
             self.dropped += 1
             return False
+        self._recheck()
+        return True
+
+    def _recheck(self) -> None:
+        """A send processes libzmq's pending commands, and with them the fd's edge for a message that
+        came meanwhile: a waiting ``recv`` must look again, or that message waits for the next one."""
+        fut = self._watch
+        if fut is not None and not fut.done() and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            fut.set_result(None)
 
     async def recv(self) -> bytes:
         """Next message payload (last frame): read at once when one is queued, else after the fd says so."""
@@ -147,9 +156,11 @@ class ControlChannel:
         fut: asyncio.Future[None] = loop.create_future()
         fd = self._sock.get(zmq.FD)
         loop.add_reader(fd, _wake, fut)
+        self._watch = fut
         try:
             await fut
         finally:
+            self._watch = None
             loop.remove_reader(fd)
 
     def close(self, linger_ms: int | None = None) -> None:

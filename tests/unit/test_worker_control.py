@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -115,6 +116,38 @@ def test_channel_round_trip_over_ipc() -> None:
             chan.close()
             assert not chan.post(Ack(slot=1, generation=2, ref="late"))  # closed: dropped, no raise
             assert chan.dropped == 1
+            router.close(0)
+            ctx.term()
+            os.unlink(f"{d}/ctl.sock")
+            os.rmdir(d)
+
+    asyncio.run(main())
+
+
+def test_a_command_that_comes_while_the_worker_sends_is_still_received() -> None:
+    """libzmq's fd is edge-triggered and every send processes its pending commands: a send between a
+    Command's arrival and the loop's next look takes the fd's edge, and the waiting recv must still see it."""
+    async def main() -> None:
+        d = tempfile.mkdtemp(prefix="nswc-")
+        endpoint = f"ipc://{d}/ctl.sock"
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        chan = ControlChannel(endpoint, b"1:2:3", linger_ms=0)
+        try:
+            assert chan.post(Ack(slot=1, generation=2, ref="hello"))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, router.recv_multipart)
+            for i in range(20):
+                got = asyncio.create_task(chan.recv())
+                await asyncio.sleep(0.01)                     # recv waits on the fd
+                router.send_multipart([b"1:2:3", encode(Command(id=f"c{i}", name="ping"))])
+                time.sleep(0.02)                              # the loop busy: the Command is in, unseen
+                assert chan.post(Ack(slot=1, generation=2, ref=f"beat{i}"))   # ... and this send takes the edge
+                assert await asyncio.wait_for(got, 2) == encode(Command(id=f"c{i}", name="ping"))
+        finally:
+            chan.close()
             router.close(0)
             ctx.term()
             os.unlink(f"{d}/ctl.sock")

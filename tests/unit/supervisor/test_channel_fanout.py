@@ -277,3 +277,30 @@ def test_held_channel_leaves_beats_for_the_tick_and_never_watches_the_fd_meanwhi
         _close(d, ctx, router, serve, dealer)
 
     asyncio.run(main())
+
+
+def test_a_message_that_comes_while_the_supervisor_sends_is_still_read_at_once() -> None:
+    """Every send processes libzmq's pending commands and so can take the fd's edge of a message that
+    came meanwhile: the receive loop, watching the fd, must still read it (not at the next tick)."""
+    async def main() -> None:
+        d, ctx, router, channel, handler = _bound()
+        channel.coalesce_s = 0.0
+        serve = asyncio.create_task(channel.serve(handler))
+        dealer = _dealer(ctx, d, b"w0")
+        await dealer.send(m.encode(m.Ready(slot=0, generation=1)))
+        while len(handler.seen) < 1:
+            await asyncio.sleep(0.01)
+        w = SimpleNamespace(identity=b"w0", generation=1, external=False, popen=SimpleNamespace(poll=lambda: None))
+        for i in range(20):
+            await asyncio.sleep(0.01)                 # the loop watches the fd
+            await dealer.send(m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=float(i))))
+            time.sleep(0.02)                          # the beat is in, unseen by the loop
+            channel.send_command(w, "ping", {})       # ... and this send takes the edge
+            for _ in range(50):
+                if len(handler.seen) == i + 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(handler.seen) == i + 2, i
+        _close(d, ctx, router, serve, dealer)
+
+    asyncio.run(main())
