@@ -234,7 +234,7 @@ def test_lifecycle_http_heartbeats_stats_stop_and_queued_connection_survives(sup
 
     beats = [sup.expect(Heartbeat, pid=proc.pid)[1] for _ in range(5)]
     gaps = [b.mono - a.mono for a, b in zip(beats, beats[1:])]
-    assert all(0.15 < g < 0.6 for g in gaps), gaps
+    assert all(0.09 < g < 0.6 for g in gaps), gaps   # >= half an interval: a late beat's next is that soon
     assert all(b.loop_lag < 0.2 for b in beats)
 
     _, stats = sup.expect(Stats, pid=proc.pid, where=lambda m: m.requests >= 4)
