@@ -504,6 +504,7 @@ class Supervisor:
     def _spawn_process(self, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
         """The spawn seam: one slot plan + generation -> a running, bound worker (raises OSError/NumaserveError)."""
         fds = self.listeners.by_slot[plan.slot]
+        self.channel.hold(False)   # a new worker's Hello and Ready are read as they come, not at the next tick
         token = workerauth.new_token()
         popen, external, env = spawn(
             self.cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
