@@ -173,7 +173,7 @@ class ControlChannel:
         self._ctx.term()
 
 
-def _wake(fut: "asyncio.Future[None]") -> None:
+def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 
