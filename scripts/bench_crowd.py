@@ -71,6 +71,12 @@ def measure(cfg: ServerConfig, seconds: float) -> dict[str, Any]:
         a = _sample(procs)
         n, dur, bad = _load(srv, "/", seconds, None, 64)
         b = _sample(procs)
+        hot = None
+        if cfg.kind == "numaserve":   # which slots took the connections, and their CPUs
+            st = srv.ops("status")
+            hs = (st.get("supervisor", {}).get("steering") or {}).get("hot_set")
+            cpus = {s["slot"]: s.get("cpus") for s in st.get("slots", [])}
+            hot = None if hs is None else {str(s): cpus.get(s) for s in hs["slots"]}
     cpu = {pid: b[pid][0] - a[pid][0] for pid in b if pid in a}
     cs = sum(b[pid][1] - a[pid][1] for pid in b if pid in a)
     per_worker = sorted((cpu.get(pid, 0.0) for pid in workers), reverse=True)
@@ -83,6 +89,7 @@ def measure(cfg: ServerConfig, seconds: float) -> dict[str, Any]:
         "busy_workers": sum(1 for c in per_worker if top and c > top / 4.0), "workers": len(workers),
         "top8_share": round(sum(per_worker[:8]) / total_w, 3) if total_w else None,
         "cs_per_req": round(cs / n, 3) if n else None,
+        "hot_set": hot,
     }
 
 
@@ -126,7 +133,8 @@ def main() -> int:
             row["vs_gunicorn"] = round(row["rps"] / g, 3) if g else None
             print(f"round {r + 1} {name:16} {row['rps']:9.0f} req/s  x{row['vs_gunicorn']}  "
                   f"{row['worker_cpu_us_per_req']} µs/req  busy {row['busy_workers']}/{row['workers']}  "
-                  f"top8 {row['top8_share']}  cs/req {row['cs_per_req']}  failed {row['failed']}", flush=True)
+                  f"top8 {row['top8_share']}  cs/req {row['cs_per_req']}  failed {row['failed']}"
+                  + (f"  hot {row['hot_set']}" if row.get("hot_set") else ""), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

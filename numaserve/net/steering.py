@@ -210,15 +210,19 @@ def hot_set(
     *,
     keep: Collection[int] = (),
     avoid: Collection[int] = (),
+    slot_cpus: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[int, ...]:
     """The healthy slots that take new connections: per node at most ``node_size[node]``.
 
     A node with no entry in ``node_size``, or with no more healthy slots than
-    its size, keeps all of them.  Otherwise the slots are taken in this order:
-    not in ``avoid`` (a worker that just stalled or shed) before the rest,
-    in ``keep`` (the current hot set: its connections are already there)
-    before the rest, then by slot number.  Every node keeps at least one slot,
-    so the per-node (NUMA) guarantee of the table is never lost.
+    its size, keeps all of them.  Otherwise the slots are ranked: not in
+    ``avoid`` (a worker that just stalled or shed) before the rest, in
+    ``keep`` (the current hot set: its connections are already there) before
+    the rest, then by slot number; and taken in rank order, except that a
+    slot whose CPUs (``slot_cpus``) the slots taken so far already cover
+    waits while one that brings a CPU of its own is left (two hot workers
+    bound to one CPU would leave the other idle).  Every node keeps at least
+    one slot, so the per-node (NUMA) guarantee of the table is never lost.
     """
     by_node: dict[int, list[int]] = {}
     for s in sorted(set(healthy)):
@@ -231,7 +235,23 @@ def hot_set(
             out += slots
             continue
         ranked = sorted(slots, key=lambda s: (s in avoid_set, s not in keep_set, s))
-        out += ranked[:max(1, size)]
+        size = max(1, size)
+        if not slot_cpus:
+            out += ranked[:size]
+            continue
+        taken: list[int] = []
+        covered: set[int] = set()
+        later: list[int] = []
+        for s in ranked:
+            if len(taken) == size:
+                break
+            cpus = set(slot_cpus.get(s, ()))
+            if cpus and cpus <= covered:
+                later.append(s)
+                continue
+            taken.append(s)
+            covered |= cpus
+        out += taken + later[:size - len(taken)]
     return tuple(sorted(out))
 
 

@@ -202,6 +202,7 @@ class Supervisor:
                 slot_node={s.slot: s.node for s in self.plan.slots},
                 node_cpus=self._crowd_cpus(),
                 max_connections=self.cfg.server.max_connections,
+                slot_cpus={s.slot: s.cpus for s in self.plan.slots},
             )
             self._check_shared_port(time.monotonic())
         self.ctx = zmq.asyncio.Context()

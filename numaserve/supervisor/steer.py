@@ -65,9 +65,10 @@ class HotSet:
     """
 
     def __init__(self, node_cpus: Mapping[int, int], slot_node: Mapping[int, int], *,
-                 max_connections: int = 0) -> None:
+                 max_connections: int = 0, slot_cpus: Mapping[int, Sequence[int]] | None = None) -> None:
         self.node_cpus = {n: c for n, c in node_cpus.items() if c > 0}
         self.slot_node = dict(slot_node)
+        self.slot_cpus = {s: tuple(c) for s, c in (slot_cpus or {}).items()}
         self.max_connections = max_connections
         self.node_slots = {n: sum(1 for s in self.slot_node.values() if s == n) for n in self.node_cpus}
         self.size = dict(self.node_cpus)         # node -> current hot-set size
@@ -122,7 +123,8 @@ class HotSet:
     def pick(self, now: float, healthy: Sequence[int]) -> tuple[int, ...]:
         for s in [s for s, until in self._avoid.items() if until <= now]:
             del self._avoid[s]
-        self.slots = hot_set(healthy, self.slot_node, self.size, keep=self.slots, avoid=self._avoid)
+        self.slots = hot_set(healthy, self.slot_node, self.size, keep=self.slots, avoid=self._avoid,
+                             slot_cpus=self.slot_cpus)
         return self.slots
 
     def status(self) -> dict[str, object]:
@@ -141,6 +143,7 @@ class Steering:
         slot_node: Mapping[int, int] | None = None,
         node_cpus: Mapping[int, int] | None = None,
         max_connections: int = 0,
+        slot_cpus: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         self.listeners = listeners
         self.mode = mode
@@ -149,6 +152,7 @@ class Steering:
         self.slots = sorted(listeners.by_slot)
         self.healthy: tuple[int, ...] | None = None
         # crowded nodes (more workers than CPUs): new connections to a few hot slots; None = never
+        self.slot_cpus = dict(slot_cpus or {})   # slot -> CPUs its worker runs on (the hot set spreads over them)
         self.hot: HotSet | None = None
         self.set_crowd(node_cpus or {}, max_connections)
         self.targets: tuple[int, ...] = ()        # healthy, else the fallback (slots still booting)
@@ -207,7 +211,7 @@ class Steering:
         if old is not None and old.node_cpus == {n: c for n, c in node_cpus.items() if c > 0}:
             old.max_connections = max_connections
             return
-        hot = HotSet(node_cpus, self.slot_node, max_connections=max_connections)
+        hot = HotSet(node_cpus, self.slot_node, max_connections=max_connections, slot_cpus=self.slot_cpus)
         self.hot = hot if hot.crowded() else None
         if (old is None) != (self.hot is None):
             self.healthy = None   # recompute the targets at the next update

@@ -186,3 +186,19 @@ def test_concentrate_off_or_enough_cpus_leaves_every_slot_a_target() -> None:
         assert st.hot is None and st.targets == (0, 1, 2, 3) and not st.attached
     finally:
         ls.close()
+
+
+def test_hot_set_spreads_over_the_node_cpus() -> None:
+    # split placement: CPUs dealt round-robin, slots 0, 2, 4 on CPU 0 and 1, 3, 5 on CPU 1
+    cpus = {s: (s % 2,) for s in range(6)}
+    node = {s: 0 for s in range(6)}
+    assert hot_set(range(6), node, {0: 2}, slot_cpus=cpus) == (0, 1)
+    # the current set has two workers of CPU 0: one of them gives way to a CPU-1 worker
+    assert hot_set(range(6), node, {0: 2}, keep=(0, 2), slot_cpus=cpus) == (0, 1)
+    assert hot_set([0, 2, 4, 5], node, {0: 2}, keep=(2, 4), slot_cpus=cpus) == (2, 5)
+    # no CPU left uncovered: rank order (kept members first)
+    assert hot_set(range(6), node, {0: 4}, keep=(4,), slot_cpus=cpus) == (0, 1, 2, 4)
+    assert hot_set([0, 2, 4], node, {0: 2}, slot_cpus=cpus) == (0, 2)
+    # shared placement: every slot on both CPUs, nothing to spread
+    both = {s: (0, 1) for s in range(6)}
+    assert hot_set(range(6), node, {0: 2}, keep=(3, 5), slot_cpus=both) == (3, 5)
