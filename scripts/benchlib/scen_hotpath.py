@@ -33,7 +33,7 @@ from benchlib.common import Ctx, summarize_rows
 from benchlib.servers import Server, ServerConfig
 
 PEERS = ("numaserve", "uvicorn", "gunicorn", "granian")
-KEYS = ("rps", "server_cpu_us_per_req", "server_cpu_us_per_chunk", "failed")
+KEYS = ("rps", "server_cpu_us_per_req", "server_cpu_us_per_chunk", "failed", "busy_workers", "cs_per_req")
 SSE_CHUNKS = 100
 
 
