@@ -53,6 +53,8 @@ SPILL_HOLD_S = 30.0
 AVOID_S = 30.0
 #: Refusals that more workers would have avoided (quota and deadline refusals would not).
 SPILL_REASONS = ("cpu", "stall", "inflight_cap")
+#: A hot worker holding this share of ``server.max_connections`` spills its node's set.
+FULL_SHARE = 0.9
 
 
 class HotSet:
@@ -96,7 +98,8 @@ class HotSet:
             self._seen[slot] = (st, st.generation, refused, stalls)
             if slot not in hot:
                 continue
-            full = bool(self.max_connections) and st.connections >= self.max_connections
+            # nearly full: spill before its connections past server.max_connections get 503s
+            full = bool(self.max_connections) and st.connections >= max(1, int(FULL_SHARE * self.max_connections))
             fresh = seen is not None and seen[1] == st.generation
             stalled = fresh and stalls > seen[3]    # type: ignore[index]
             if not (full or stalled or (fresh and refused > seen[2])):   # type: ignore[index]

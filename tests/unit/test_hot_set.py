@@ -104,8 +104,10 @@ def test_a_replaced_worker_and_a_repeated_message_are_no_refusal() -> None:
 def test_a_full_worker_spills() -> None:
     hs = HotSet({0: 2}, ONE_NODE, max_connections=10)
     hs.pick(0.0, range(8))
-    hs.observe(0.0, {0: stats(0, connections=10), 1: stats(1, connections=3)})
-    assert len(hs.pick(0.0, range(8))) == 4
+    hs.observe(0.0, {0: stats(0, connections=8), 1: stats(1, connections=3)})
+    assert len(hs.pick(0.0, range(8))) == 2
+    hs.observe(1.0, {0: stats(0, connections=9), 1: stats(1, connections=3)})   # 90 % of its cap
+    assert len(hs.pick(1.0, range(8))) == 4
 
 
 def test_not_crowded_means_no_hot_set() -> None:
