@@ -68,6 +68,7 @@ class ServerConfig(_Section):
     proxy_headers: bool = False
     forwarded_allow_ips: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1"])
     steering: Literal["hash", "numa"] = "hash"
+    concentrate: bool = True
     takeover: bool = False
 
 

@@ -12,6 +12,10 @@ size, so the kernel falls back to its hash (FACTS §7.1, §7.4).
   its position in the reuseport group.
 * ``build_cpu_table_program`` (pure): the table program, exactly FACTS §7.4.
 * ``attach_reuseport_cbpf`` / ``detach_reuseport_bpf``: the setsockopt shell.
+* ``hot_set`` (pure): while a node has more healthy slots than CPUs, the
+  few that take its new connections (the way a shared accept queue keeps a
+  few processes hot), so a crowd of workers on few CPUs batches requests
+  per wake-up instead of waking every interpreter per request.
 * ``loopback_collapse_check`` (pure): detects nginx#150 — every connection
   on one slot because one CPU runs every softirq (loopback, single-queue
   NIC) — so the supervisor can detach the program and fall back to hashing.
@@ -27,7 +31,7 @@ import ctypes
 import errno
 import socket
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 __all__ = [
     "SO_ATTACH_REUSEPORT_CBPF",
@@ -45,6 +49,7 @@ __all__ = [
     "CollapseVerdict",
     "loopback_collapse_check",
     "build_selection_program",
+    "hot_set",
 ]
 
 # <asm-generic/socket.h> (x86_64, aarch64)
@@ -196,6 +201,58 @@ def numa_cpu_to_slot(
         for i, cpu in enumerate(sorted(cpus)):
             out[cpu] = group_index[slots[i % len(slots)]]
     return out
+
+
+def hot_set(
+    healthy: Sequence[int],
+    slot_node: Mapping[int, int],
+    node_size: Mapping[int, int],
+    *,
+    keep: Collection[int] = (),
+    avoid: Collection[int] = (),
+    slot_cpus: Mapping[int, Sequence[int]] | None = None,
+) -> tuple[int, ...]:
+    """The healthy slots that take new connections: per node at most ``node_size[node]``.
+
+    A node with no entry in ``node_size``, or with no more healthy slots than
+    its size, keeps all of them.  Otherwise the slots are ranked: not in
+    ``avoid`` (a worker that just stalled or shed) before the rest, in
+    ``keep`` (the current hot set: its connections are already there) before
+    the rest, then by slot number; and taken in rank order, except that a
+    slot whose CPUs (``slot_cpus``) the slots taken so far already cover
+    waits while one that brings a CPU of its own is left (two hot workers
+    bound to one CPU would leave the other idle).  Every node keeps at least
+    one slot, so the per-node (NUMA) guarantee of the table is never lost.
+    """
+    by_node: dict[int, list[int]] = {}
+    for s in sorted(set(healthy)):
+        by_node.setdefault(slot_node.get(s, -1), []).append(s)
+    keep_set, avoid_set = set(keep), set(avoid)
+    out: list[int] = []
+    for node, slots in by_node.items():
+        size = node_size.get(node)
+        if size is None or len(slots) <= size:
+            out += slots
+            continue
+        ranked = sorted(slots, key=lambda s: (s in avoid_set, s not in keep_set, s))
+        size = max(1, size)
+        if not slot_cpus:
+            out += ranked[:size]
+            continue
+        taken: list[int] = []
+        covered: set[int] = set()
+        later: list[int] = []
+        for s in ranked:
+            if len(taken) == size:
+                break
+            cpus = set(slot_cpus.get(s, ()))
+            if cpus and cpus <= covered:
+                later.append(s)
+                continue
+            taken.append(s)
+            covered |= cpus
+        out += taken + later[:size - len(taken)]
+    return tuple(sorted(out))
 
 
 def group_positions_after_close(order: Sequence[int], closed: int) -> list[int]:

@@ -217,6 +217,9 @@ class Supervisor:
                 mode=self.cfg.server.steering,
                 cpu_node=self.topology.cpu_node() if self.topology else {},
                 slot_node={s.slot: s.node for s in self.plan.slots},
+                node_cpus=self._crowd_cpus(),
+                max_connections=self.cfg.server.max_connections,
+                slot_cpus={s.slot: s.cpus for s in self.plan.slots},
             )
             self._check_shared_port(time.monotonic())
         self.ctx = zmq.asyncio.Context()
@@ -706,7 +709,18 @@ class Supervisor:
             # worker is booting, never on one that failed or backs off
             booting = [s.plan.slot for s in self.slots.values()
                        if s.state == S.STARTING and s.worker is not None and not s.drained]
-            self.steering.update(self.healthy_slots(), fallback=booting)
+            stats = {s.plan.slot: s.worker.stats for s in self.slots.values() if s.worker is not None} \
+                if self.steering.hot is not None else None
+            self.steering.update(self.healthy_slots(), fallback=booting, stats=stats)
+
+    def _crowd_cpus(self) -> dict[int, int]:
+        """node -> CPUs its workers run on, for the steering hot set (empty: ``server.concentrate`` off)."""
+        if not self.cfg.server.concentrate:
+            return {}
+        cpus: dict[int, set[int]] = {}
+        for s in self.plan.slots:
+            cpus.setdefault(s.node, set()).update(s.cpus)
+        return {n: len(c) for n, c in cpus.items()}
 
     def _check_shared_port(self, now: float) -> None:
         """``server.takeover``: no program while another owner shares a group;
@@ -843,6 +857,8 @@ class Supervisor:
             if self.steering is not None and self.steering.mode != new_cfg.server.steering:
                 self.steering.mode = new_cfg.server.steering
                 self.steering.healthy = None  # force a reattach
+            if self.steering is not None:
+                self.steering.set_crowd(self._crowd_cpus(), new_cfg.server.max_connections)
             op.step("config re-read", config=self.config_path or "(defaults)")
             try:
                 return await self.operations.roll(op, slots, timeout, new_cfg.ops.reload_parallel)

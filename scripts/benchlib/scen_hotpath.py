@@ -33,7 +33,7 @@ from benchlib.common import Ctx, summarize_rows
 from benchlib.servers import Server, ServerConfig
 
 PEERS = ("numaserve", "uvicorn", "gunicorn", "granian")
-KEYS = ("rps", "server_cpu_us_per_req", "server_cpu_us_per_chunk", "failed")
+KEYS = ("rps", "server_cpu_us_per_req", "server_cpu_us_per_chunk", "failed", "busy_workers", "cs_per_req")
 SSE_CHUNKS = 100
 
 
@@ -89,6 +89,48 @@ def supervisor_idle(ctx: Ctx, workers: int, window: float) -> dict[str, Any]:
                 "supervisor_idle_cpu_pct": round(100.0 * used / window, 2)}
 
 
+def many_workers(ctx: Ctx, many: int, seconds: float,
+                 kinds: tuple[str, ...] = ("numaserve", "gunicorn")) -> list[tuple[str, dict[str, Any]]]:
+    """The *32 workers* part: each server with ``many`` workers on the shared CPUs, tiny
+    requests, ``wrk -t2 -c64``; besides throughput and CPU, how many workers did the work
+    (busy: more than a quarter of the busiest one's CPU) and context switches per request
+    (a worker that reads several requests per wake-up switches less)."""
+    out = []
+    for kind in kinds:
+        with Server(ServerConfig(kind, workers=many)).start() as srv:
+            srv.wait_ready(timeout=300.0)
+            _load(srv, "/", 1.0, None, 16)
+            workers = srv.worker_pids()
+            before = _per_process(workers + [srv.master_pid])
+            row = _measure(srv, "/", seconds, None, 64)
+            after = _per_process(workers + [srv.master_pid])
+            cpu = [after[p][0] - before[p][0] for p in workers if p in before and p in after]
+            top = max(cpu, default=0.0)
+            row["busy_workers"] = sum(1 for c in cpu if top and c > top / 4.0)
+            row["workers"] = len(workers)
+            done = row["rps"] * seconds
+            cs = sum(after[p][1] - before[p][1] for p in after if p in before)
+            row["cs_per_req"] = round(cs / done, 3) if done else None
+            out.append((kind, row))
+            ctx.log(f"hotpath {many} workers {kind:9} {row['rps']:8.0f} req/s {row['server_cpu_us_per_req']} µs/req "
+                    f"busy {row['busy_workers']}/{len(workers)} cs/req {row['cs_per_req']}")
+    return out
+
+
+def _per_process(pids: list[int]) -> dict[int, tuple[float, int]]:
+    """pid -> (CPU seconds, context switches) of each live process of ``pids``."""
+    out = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            with p.oneshot():
+                t, c = p.cpu_times(), p.num_ctx_switches()
+        except psutil.Error:
+            continue
+        out[pid] = (t.user + t.system, c.voluntary + c.involuntary)
+    return out
+
+
 def run(ctx: Ctx) -> dict[str, Any]:
     seconds = ctx.pick(2.0, 5.0)
     pinned_ok = {0, 1} <= set(os.sched_getaffinity(0))
@@ -123,13 +165,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                         ctx.log(f"hotpath rep {rep + 1} {placement:6} sse  {kind:9} "
                                 f"{row['server_cpu_us_per_chunk']} µs CPU/chunk")
     many = ctx.pick(8, 32)
-    for kind in ("numaserve", "gunicorn"):
-        with Server(ServerConfig(kind, workers=many)).start() as srv:
-            srv.wait_ready(timeout=300.0)
-            _load(srv, "/", 1.0, None, 16)
-            row = _measure(srv, "/", seconds, None, 64)
-            raw.setdefault((f"tiny, {many} workers", "shared", kind), []).append(row)
-            ctx.log(f"hotpath {many} workers {kind:9} {row['rps']:8.0f} req/s")
+    for kind, row in many_workers(ctx, many, seconds):
+        raw.setdefault((f"tiny, {many} workers", "shared", kind), []).append(row)
     idle = supervisor_idle(ctx, many, ctx.pick(10.0, 30.0))
     ctx.log(f"hotpath supervisor idle with {many} workers: {idle['supervisor_idle_cpu_pct']} %")
     rows = [{"variant": name, "placement": pl, "server": kind, "reps": reps, **summarize_rows(reps, KEYS)}
