@@ -108,7 +108,9 @@ class AdminConnection(asyncio.Protocol):
         with contextlib.suppress(RuntimeError):
             self.conn.receive_data(b"")
         self._advance()
-        return False  # close our side too (a half-closed client gets nothing more)
+        # a client that half-closed after its request still gets the answer (then we close);
+        # with nothing being answered, close our side too
+        return self.task is not None
 
     # --- ConnectionGuard's view ---------------------------------------------------------
 

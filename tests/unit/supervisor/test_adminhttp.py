@@ -59,6 +59,12 @@ def test_http10_closes_and_garbage_gets_400() -> None:
             data = await _read_all(r)
             assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"\n"), data
             w.close()
+            r, w = await asyncio.open_connection(host, port)  # half-closed after the request: answered
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            w.write_eof()
+            data = await _read_all(r)
+            assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"\n"), data
+            w.close()
             r, w = await asyncio.open_connection(host, port)
             w.write(b"this is not http\r\n\r\n")
             data = await _read_all(r)
