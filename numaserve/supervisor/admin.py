@@ -1,8 +1,10 @@
 """Admin HTTP endpoint of the supervisor: ``/metrics``, ``/healthz``, ``/readyz``.
 
-Served by uvicorn *inside the supervisor's asyncio loop* on a socket the
-supervisor binds before any worker starts (a bad ``[admin] bind`` fails the
-start with a clear message, not a half-running service).  No thread, no
+Served by a small h11 server (``numaserve.supervisor.adminhttp``; not uvicorn,
+whose import is ~2 MB of the supervisor's memory) *inside the supervisor's
+asyncio loop* on a socket the supervisor binds before any worker starts (a
+bad ``[admin] bind`` fails the start with a clear message, not a half-running
+service).  No thread, no
 process: a wedged loop stops answering here too, which is what an HTTP
 prober should see.
 
@@ -47,7 +49,7 @@ import structlog
 from numaserve.config import AdminConfig
 from numaserve.errors import NumaserveError
 
-# uvicorn is imported when the endpoint starts, not by every CLI command that reads
+# h11 is imported when the endpoint starts, not by every CLI command that reads
 # the config; prometheus_client and the collector at the first /metrics request.
 
 __all__ = [
@@ -233,79 +235,6 @@ class ConnectionGuard:
                 "refused": self.refused, "evicted_idle": self.evicted, "closed_idle": self.timed_out}
 
 
-def guarded_h11_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol, admitted by ``guard`` and closed when idle past its deadline."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class GuardedH11Protocol(H11Protocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._refused = False
-            self._idle_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if not guard.admit(self):
-                self._refused = True
-                transport.abort()  # closed at once: no fd is kept for it
-                return
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._refused:
-                return
-            guard.forget(self)
-            self._disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if not self.idle():
-                self._disarm()  # a request is being answered: its deadline is the app's business
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request's headers get the same deadline
-
-        def idle(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def close_idle(self) -> None:
-            self._disarm()
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._idle_timer = self.loop.call_later(guard.idle_timeout, self._expire)
-
-        def _disarm(self) -> None:
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
-                self._idle_timer = None
-
-        def _expire(self) -> None:
-            self._idle_timer = None
-            if self.idle() and not self.transport.is_closing():
-                guard.timed_out += 1
-                self.transport.close()
-
-    return GuardedH11Protocol
-
-
-def _server_class() -> type[Any]:
-    """uvicorn.Server that leaves signals to the supervisor (as the worker's server does)."""
-    import uvicorn
-
-    from numaserve.quietserver import QuietServerMixin
-
-    class AdminServer(QuietServerMixin, uvicorn.Server):
-        """Exit on an event, woken once a second, no signal handlers (numaserve.quietserver)."""
-
-    return AdminServer
-
-
 def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
     """Bind and listen (call before any worker exists); None when disabled.
 
@@ -342,7 +271,7 @@ def _address(sock: socket.socket) -> str:
 class AdminHandle:
     """A running admin server; ``stop()`` once at supervisor exit."""
 
-    server: Any          # uvicorn.Server subclass (see _server_class)
+    server: Any          # numaserve.supervisor.adminhttp.AdminHTTPServer
     task: asyncio.Task[None]
     sock: socket.socket
     address: str
@@ -362,14 +291,13 @@ class AdminHandle:
         if self._stopped:
             return
         self._stopped = True
-        self.server.should_exit = True
+        self.server.request_stop()
         try:
             await asyncio.wait_for(asyncio.shield(self.task), timeout)
         except asyncio.CancelledError:
             if not self.task.cancelled():
                 raise  # our caller is being cancelled: not ours to swallow
         except TimeoutError:
-            self.server.force_exit = True
             self.task.cancel()
             with contextlib.suppress(BaseException):
                 await self.task
@@ -396,32 +324,12 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
     if cpu_node is None:
         topo = getattr(sup, "topology", None)
         cpu_node = topo.cpu_node() if topo is not None else None
-    import uvicorn
+    from numaserve.supervisor.adminhttp import AdminHTTPServer
 
     app = build_app(sup, hb, stale_after=stale_after, cpu_node=cpu_node)
     guard = ConnectionGuard(cfg.max_connections if max_connections is None else max_connections, cfg.idle_timeout)
-    config = uvicorn.Config(
-        app,
-        lifespan="off",
-        http=guarded_h11_protocol(guard),  # h11: small, strict parser; scrapes are tiny
-        ws="none",
-        interface="asgi3",
-        loop="none",             # the supervisor's loop
-        log_config=None,         # the supervisor configured logging (structlog)
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=cfg.idle_timeout,  # type: ignore[arg-type]  # a float works
-        timeout_graceful_shutdown=2,
-        # the guard bounds connections (and so requests): uvicorn's own limit would
-        # count idle connections too and answer 503 while the guard could evict them
-        limit_concurrency=guard.max_connections + 1,
-        # asyncio accepts up to `backlog` connections per readiness event before any
-        # protocol (so the guard) runs: uvicorn's default 2048 let one event fill the fd table
-        backlog=ACCEPT_BATCH,
-        server_header=False,
-    )
-    server = _server_class()(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="admin-http")
+    server = AdminHTTPServer(app, guard, backlog=ACCEPT_BATCH, graceful_s=2.0)
+    task = asyncio.get_running_loop().create_task(server.serve(sock), name="admin-http")
     deadline = time.monotonic() + 5.0
     while not server.started and not task.done() and time.monotonic() < deadline:
         await asyncio.sleep(0.01)

@@ -51,6 +51,7 @@ from numaserve.worker.template import (
     run_template,
     send_msg,
     set_comm,
+    trim_heap,
 )
 
 __all__ = ["ZYGOTE_SPEC_ENV", "Zygote", "ZygoteSpec", "main"]
@@ -94,6 +95,7 @@ class Zygote(RequestLoop):
         gc.collect()
         if self.spec.gc_freeze:
             gc.freeze()
+        trim_heap()  # free heap pages back to the kernel before a template copies them on write
         threads = current_threads()
         import_s = round(time.monotonic() - t0, 4)
         send_msg(self.sock, {"t": "ready", "pid": os.getpid(), "import_s": import_s, "threads": threads})

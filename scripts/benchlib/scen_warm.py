@@ -17,13 +17,16 @@ the run (best with ``--servers numaserve,numaserve-exec,gunicorn-preload,gunicor
   then the whole process tree's PSS and RSS (``smaps_rollup``).
 
 The machine is shared with other work: every number is a median of the repetitions
-in one run, servers interleaved.
+in one run, servers interleaved.  ``BENCH_NUMASERVE_BASELINE=<checkout>`` adds a
+"numaserve-base" server run from another checkout (e.g. main before a change), so
+before and after are measured side by side in the same run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import statistics
 import time
@@ -38,6 +41,25 @@ from benchlib.servers import Server, ServerConfig, http_get
 
 POLL_S = 0.002
 POLL_OP_S = 0.05  # following a reload: as often as the peers' replacement is polled
+
+
+BASE_LABEL = "numaserve-base"
+
+
+def _cfg(kind: str, workers: int) -> ServerConfig:
+    """A server to start; ``numaserve-base`` is numaserve from ``BENCH_NUMASERVE_BASELINE``."""
+    if kind == BASE_LABEL:
+        return ServerConfig("numaserve", workers=workers, label=BASE_LABEL,
+                            checkout=os.environ["BENCH_NUMASERVE_BASELINE"])
+    return ServerConfig(kind, workers=workers)
+
+
+def _kinds(ctx: Ctx, rep: int) -> list[str]:
+    kinds = ctx.order(rep)
+    if os.environ.get("BENCH_NUMASERVE_BASELINE") and "numaserve" in kinds:
+        kinds.append(BASE_LABEL)
+        random.Random(ctx.seed * 1000 + rep).shuffle(kinds)
+    return kinds
 
 
 def tree_memory_mb(pid: int) -> dict[str, float]:
@@ -112,7 +134,7 @@ def _reload_numaserve(srv: Server, timeout: float) -> dict[str, Any]:
 
 
 def reload_under_load(ctx: Ctx, kind: str, duration: float, baseline_s: float) -> dict[str, Any]:
-    with Server(ServerConfig(kind, workers=2)).start() as srv:
+    with Server(_cfg(kind, 2)).start() as srv:
         srv.wait_ready()
         bg = _start_load(srv, duration)
         time.sleep(baseline_s)
@@ -137,7 +159,7 @@ def reload_under_load(ctx: Ctx, kind: str, duration: float, baseline_s: float) -
 
 
 def memory_and_ready(kind: str, workers: int) -> dict[str, Any]:
-    with Server(ServerConfig(kind, workers=workers)).start() as srv:
+    with Server(_cfg(kind, workers)).start() as srv:
         ready = srv.wait_ready(timeout=300.0)
         time.sleep(1.0)
         return {"workers": workers, **ready, **tree_memory_mb(srv.master_pid)}
@@ -155,8 +177,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     reload_raw: dict[str, list[dict[str, Any]]] = {}
     mem_raw: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for rep in range(reps):
-        for kind in ctx.order(rep):
-            with Server(ServerConfig(kind, workers=2)).start() as srv:
+        for kind in _kinds(ctx, rep):
+            with Server(_cfg(kind, 2)).start() as srv:
                 srv.wait_ready()
                 ks = kill_to_serving(srv, kills)
             kill_raw.setdefault(kind, []).extend(ks)

@@ -385,3 +385,25 @@ def test_trim_heap_gives_free_heap_pages_back_on_glibc() -> None:
         assert got is None
     else:
         assert isinstance(got, bool)
+
+
+def test_zygote_trims_its_heap_after_its_imports_and_before_it_says_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free heap pages go back before any template is forked (a template would copy them on write)."""
+    import socket as socketmod
+    from types import SimpleNamespace
+
+    from numaserve.worker import zygote as Z
+
+    calls: list[str] = []
+    monkeypatch.setattr(Z, "_preimport", lambda names: calls.append("imports"))
+    monkeypatch.setattr(Z, "trim_heap", lambda: calls.append("trim") or True)
+    a, b = socketmod.socketpair(socketmod.AF_UNIX, socketmod.SOCK_SEQPACKET)
+    try:
+        log = SimpleNamespace(info=lambda *a, **k: calls.append("logged"))
+        Z.Zygote(Z.ZygoteSpec(node=0, control_fd=a.fileno(), gc_freeze=False), a, log).boot()
+        msg, _ = T.recv_msg(b)
+        assert msg is not None and msg["t"] == "ready"
+        assert calls == ["imports", "trim", "logged"]
+    finally:
+        a.close()
+        b.close()
