@@ -78,6 +78,8 @@ CPU_WINDOW_S = 0.05
 OVERLOAD_ARRIVAL_RATIO = 1.5
 #: ... and the spell is at least this long (a handful of requests is no rate).
 OVERLOAD_MIN_SPELL_S = 0.02
+#: A connection handed back by a sentinel holds its admission this long at most (see ``took_handed``).
+HANDED_TTL_S = 1.0
 #: A finished request's outcome -> the counter it adds to.
 _OUTCOME_COUNTER = {"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}
 
@@ -262,6 +264,8 @@ class CpuGate:
         self._arrivals = 0                            # requests that reached the CPU decision (cumulative)
         self._spell_at = now                          # the loop's last idle moment (probe on time) ...
         self._spell_n = 0                             # ... and _arrivals then
+        self.handed = 0                               # handed-back connections taken, not decided yet
+        self._handed_at = now
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -354,8 +358,15 @@ class CpuGate:
         return d if type(d) is Reject else Admit(d)  # type: ignore[arg-type]
 
     def admit(self, now: float, deadline: float | None = None,
-              runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> CpuPermit | Reject:
+              runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0),
+              fresh: bool = False) -> CpuPermit | Reject:
         """Admit (the permit) or refuse at once.
+
+        ``fresh``: the first request of its connection.  While connections a sentinel handed back
+        to the loop are not decided yet (``handed``, see ``took_handed``) a fresh request takes one
+        of them and is not refused for CPU: the sentinel already counted it against the bound and
+        answered the others; refusing it here, after the iterations an adopted connection needs
+        before its head is read, was a slow 503 (~90 ms behind 20 ms blocking calls).
 
         ``runnable``: (tasks ready to run that already ran a step, tasks not started yet) besides
         this request, or a function counting them (called only when the loop is short of CPU).
@@ -379,7 +390,11 @@ class CpuGate:
         self._arrivals += 1
         lag = self.lag
         target = lag.target
-        if (self._overloaded or lag.value > target
+        if self.handed and now - self._handed_at > HANDED_TTL_S:
+            self.handed = 0    # taken long ago and never decided: their connections sent nothing
+        if fresh and self.handed > 0:
+            self.handed -= 1
+        elif (self._overloaded or lag.value > target
                 or (self.inflight > 0 and now - (lag.at + lag.period) > target)) \
                 and (self._overloaded or lag.short(now, self.inflight > 0)):
             started, new = runnable() if callable(runnable) else runnable
@@ -487,6 +502,13 @@ class CpuGate:
         back to the loop answers with 503 (it leaves ``stall_keep`` of them in the queue)."""
         keep = self.stall_keep(now, stalled_for)
         return 0 if keep is None else max(0, accept_queue - keep)
+
+    def took_handed(self, now: float) -> None:
+        """(On the loop.) The loop has taken a connection a sentinel handed back: its first
+        request is admitted (``admit(fresh=True)``), and counts against ``stall_keep`` until then
+        (at most ``HANDED_TTL_S``: a connection that sends no request does not hold it)."""
+        self.handed += 1
+        self._handed_at = now
 
     def stall_limit(self, now: float) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is

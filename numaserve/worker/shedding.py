@@ -422,7 +422,8 @@ class Sentinel(threading.Thread):
         for the next arrival.  A handed-back connection counts against the loop's room until
         the loop has taken it (``_took``, run on the loop right after its ``adopt``)."""
         for _ in range(self.SORT_MAX):
-            keep = self.rt.gate.stall_keep(now, stalled_for, self.handed_out - self.taken)
+            gate = self.rt.gate
+            keep = gate.stall_keep(now, stalled_for, self.handed_out - self.taken + gate.handed)
             if keep is None:
                 return
             fd = heldsock.accept(lst.fileno())   # (GIL held: see numaserve.net.heldsock)
@@ -436,8 +437,10 @@ class Sentinel(threading.Thread):
                 self._answer_or_wait(fd, now + self.HEAD_WAIT_S)
 
     def _took(self) -> None:
-        """On the loop: it has taken a handed-back connection (runs right after its ``adopt``)."""
+        """On the loop: it has taken a handed-back connection (runs right after its ``adopt``);
+        the gate admits its first request (``CpuGate.admit(fresh=True)``)."""
         self.taken += 1
+        self.rt.gate.took_handed(time.monotonic())
 
     def _take(self, lst: socket.socket, now: float) -> bool:
         fd = heldsock.accept(lst.fileno())   # (GIL held: see numaserve.net.heldsock)

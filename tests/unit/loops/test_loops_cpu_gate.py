@@ -10,7 +10,7 @@ import pytest
 
 from numaserve.loops.admission import AdmissionSettings, Admit, Reject
 from numaserve.loops.checks import SettingError
-from numaserve.loops.cpu_gate import CpuGate
+from numaserve.loops.cpu_gate import CpuGate, CpuPermit
 from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
 
@@ -321,3 +321,21 @@ def test_a_floor_above_its_ceiling_names_the_floor(struct: type, low: str, high:
     with pytest.raises(SettingError) as e:
         struct(**{low: above})
     assert e.value.key == low and high in e.value.expected
+
+
+def test_a_handed_back_connection_is_admitted_and_counts_until_it_is() -> None:
+    """The sentinel counted a handed-back connection against the bound: the loop admits its first
+    request even though the gate would refuse a new one now, and only one per hand-back."""
+    g = gate(stall_queue=1, stall_after_s=0.002, overload_wait_s=0.04)
+    t = busy_for(g, 0.1, 2.0)
+    assert g.overloaded(t)
+    busy = (3, 0)                                     # three ready to run: the gate refuses
+    assert isinstance(g.admit(t, runnable=busy, fresh=True), Reject)
+    g.took_handed(t)
+    assert isinstance(g.admit(t, runnable=busy), Reject)          # a keep-alive request: refused
+    assert isinstance(g.admit(t, runnable=busy, fresh=True), CpuPermit)   # the handed one: admitted
+    assert g.handed == 0 and isinstance(g.admit(t, runnable=busy, fresh=True), Reject)
+    g.took_handed(t)                                  # a connection that never sends a request
+    assert g.handed == 1
+    g.admit(t + 1.5, runnable=busy)                   # expires after HANDED_TTL_S
+    assert g.handed == 0
