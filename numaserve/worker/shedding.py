@@ -17,11 +17,13 @@
   holding it: a blocking handler) the in-loop gate cannot act; the thread
   sleeps in ``poll()`` on the listener until a connection waits in its accept
   queue (with keep-alive clients: never), checks whether the loop is stalled,
-  reads the queue's length (``TCP_INFO`` on the listening socket), leaves
-  what the loop's gate would admit (``CpuGate.stall_excess``: at least
-  ``stall_queue``) and answers the oldest others
-  with 503 from outside the loop.  It needs the
-  GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
+  accepts every queued connection, hands the oldest the loop will still admit
+  when it is back (``CpuGate.stall_keep``) back to it (``adopt``; the gate
+  admits their first request) and answers the newer ones with 503 from
+  outside the loop at once (without a hand-back it leaves ``stall_excess``
+  in the queue instead).  It needs the
+  GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms;
+  lowered to ``SHED_SWITCH_S`` while the worker sheds)
   and most C extensions around heavy work; a C call that holds the GIL for
   long stalls the sentinel too (then only the supervisor's steering helps).
   Its accept/recv/send/shutdown/close are non-blocking libc calls that keep
