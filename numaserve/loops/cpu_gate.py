@@ -492,7 +492,7 @@ class CpuGate:
         ahead = max(0.0, self.inflight * cpu - stalled_for) + handed * cpu
         bound = self.s.overload_wait_s if self._overloaded else self.s.burst_wait_s
         free = bound - stalled_for - ahead   # the stall so far counts: a long call shows it is long
-        keep = int(math.floor(free / cpu + 1e-9)) if free > 0 else 0
+        keep = math.floor(free / cpu + 1e-9) if free > 0 else 0
         if self.inflight + handed <= 1:
             keep = max(keep, self.s.stall_queue - handed)
         return max(0, keep)

@@ -195,29 +195,33 @@ def test_tcp_wait_and_state_of_a_live_and_a_closed_peer() -> None:
         lst.close()
 
 
+async def six_clients_during_a_block(port: int) -> tuple[list[bytes], list[bytes]]:
+    """``/block`` (0.3 s holding the loop) and, 0.1 s into it, six GETs from threads of their own
+    (the test's loop is the server's); (the 503 answers, the 200 answers) of the six."""
+    outs: list[bytes] = []
+
+    def clients() -> None:
+        time.sleep(0.1)
+        ths = [threading.Thread(target=lambda i=i: outs.append(get(port, f"/q{i}"))) for i in range(6)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+
+    driver = threading.Thread(target=clients)
+    driver.start()
+    assert (await asyncio.to_thread(get, port, "/block")).startswith(b"HTTP/1.1 200")
+    await asyncio.to_thread(driver.join)
+    return ([o for o in outs if o.startswith(b"HTTP/1.1 503")], [o for o in outs if o.startswith(b"HTTP/1.1 200")])
+
+
 @pytest.mark.parametrize("stall", [0.002])
 def test_the_sentinel_answers_the_accept_queue_while_a_handler_blocks(stall: float) -> None:
     async def main() -> None:
         settings = AdmissionSettings(stall_after_s=stall, stall_idle_after_s=0.05, stall_queue=1)
         async with serving(settings) as (rt, lst, _server):
             rt.start_sentinel([lst], None)
-            port = lst.getsockname()[1]
-            outs: list[bytes] = []
-
-            def clients() -> None:   # threads of their own: the test's loop is the server's, and it blocks
-                time.sleep(0.1)
-                ths = [threading.Thread(target=lambda i=i: outs.append(get(port, f"/q{i}"))) for i in range(6)]
-                for th in ths:
-                    th.start()
-                for th in ths:
-                    th.join()
-
-            driver = threading.Thread(target=clients)
-            driver.start()
-            assert (await asyncio.to_thread(get, port, "/block")).startswith(b"HTTP/1.1 200")
-            await asyncio.to_thread(driver.join)
-            refused = [o for o in outs if o.startswith(b"HTTP/1.1 503")]
-            served = [o for o in outs if o.startswith(b"HTTP/1.1 200")]
+            refused, served = await six_clients_during_a_block(lst.getsockname()[1])
             assert refused and served and len(refused) + len(served) == 6
             assert all(b"retry-after:" in o.lower() for o in refused)
             sent = rt.sentinel
@@ -236,23 +240,7 @@ def test_the_sentinel_hands_the_oldest_connections_back_to_the_loop_and_answers_
         async with serving(settings) as (rt, lst, server):
             loop = asyncio.get_running_loop()
             rt.start_sentinel([lst], lambda sock: loop.call_soon_threadsafe(server.adopt, sock))
-            port = lst.getsockname()[1]
-            outs: list[bytes] = []
-
-            def clients() -> None:
-                time.sleep(0.1)
-                ths = [threading.Thread(target=lambda i=i: outs.append(get(port, f"/q{i}"))) for i in range(6)]
-                for th in ths:
-                    th.start()
-                for th in ths:
-                    th.join()
-
-            driver = threading.Thread(target=clients)
-            driver.start()
-            assert (await asyncio.to_thread(get, port, "/block")).startswith(b"HTTP/1.1 200")
-            await asyncio.to_thread(driver.join)
-            refused = [o for o in outs if o.startswith(b"HTTP/1.1 503")]
-            served = [o for o in outs if o.startswith(b"HTTP/1.1 200")]
+            refused, served = await six_clients_during_a_block(lst.getsockname()[1])
             assert len(refused) + len(served) == 6
             sent = rt.sentinel
             assert sent is not None
