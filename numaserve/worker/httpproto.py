@@ -473,7 +473,8 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                         raise _Stop
                     arrived = now - got[0]
             d = gate.admit(now, request_deadline(self.headers, arrived, default_timeout),
-                           shedding.runnable_tasks)   # (looked up here: tests replace it)
+                           shedding.runnable_tasks,   # (looked up here: tests replace it)
+                           self.cycle is None)        # a connection's first request (sentinel hand-back)
             if type(d) is not CpuPermit:
                 self._ns_reject = d
                 raise _Stop
