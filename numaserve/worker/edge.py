@@ -200,7 +200,14 @@ class Edge:
     ``cpu``: an ``AdmissionRuntime`` (limiter "cpu"); ``gate``: an
     ``AdmissionGate`` (limiters "gradient"/"static"); ``max_body_bytes`` /
     ``read_timeout``: the body limits (0: none).
+
+    Served by the worker's HTTP protocol, a request with its body already in skips this
+    layer's coroutine and wrapper: ``numaserve.worker.httpproto.LeanCycle.run_asgi`` does
+    the same per-request work (``protocol_foldable``).
     """
+
+    #: ``LeanCycle`` may do this layer's per-request work itself (see above).
+    protocol_foldable = True
 
     def __init__(self, app: ASGIApp, *, stats: WorkerStats | None = None, lifespan: LifespanRecord | None = None,
                  cpu: Any = None, gate: Any = None, default_timeout_s: float = 0.0,
