@@ -49,7 +49,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from numaserve.errors_http import error_body, error_headers
-from numaserve.worker.shedding import PERMIT_KEY
+from numaserve.worker.shedding import DEADLINE_HEADER, PERMIT_KEY
 
 __all__ = ["LeanCycle", "guarded_httptools_protocol"]
 
@@ -89,7 +89,9 @@ def _check_header(name: bytes, value: bytes) -> None:
 class LeanCycle(RequestResponseCycle):
     """uvicorn's ``RequestResponseCycle`` (same ASGI semantics), cheaper per request.
 
-    ``run_asgi`` and ``send_500_response`` are uvicorn's.
+    ``send_500_response`` is uvicorn's; ``run_asgi`` is uvicorn's unless the edge is folded
+    in (below).  The per-request state that starts the same for every request is class
+    defaults (an instance attribute only once it changes): fewer stores per request.
     """
 
     #: The worker's ``Edge`` when its per-request work is folded into this cycle (see
@@ -98,6 +100,15 @@ class LeanCycle(RequestResponseCycle):
     folded = False
     permit: Any = None   # the admission permit while held (folded path)
     status = 0           # the response status (0: none yet)
+    _event: asyncio.Event | None = None
+    _flag = False
+    disconnected = False
+    more_body = True
+    response_started = False
+    response_complete = False
+    chunked_encoding: bool | None = None
+    expected_content_length = 0
+    _head: bytes | None = None   # a declared-length head waiting for its first body bytes
 
     def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool) -> None:
         self.edge = proto._fold
@@ -109,18 +120,9 @@ class LeanCycle(RequestResponseCycle):
         self.access_log = proto.access_log
         self.default_headers = proto.server_state.default_headers
         self.on_response = proto.on_response_complete
-        self._event: asyncio.Event | None = None
-        self._flag = False
-        self.disconnected = False
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
         self.body = bytearray()
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.chunked_encoding: bool | None = None
-        self.expected_content_length = 0
-        self._head: bytes | None = None   # a declared-length head waiting for its first body bytes
 
     async def run_asgi(self, app: Any) -> None:
         """uvicorn's ``run_asgi``; for the worker's ``Edge`` with the request complete, the edge's
@@ -402,6 +404,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._ka_timer: asyncio.TimerHandle | None = None
             self._ns_reject: Any = None
             self._ns_drop = False
+            self._ns_deadline = False   # this request's head has an x-request-timeout
 
         # --- connection ----------------------------------------------------------------------
 
@@ -481,10 +484,22 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             }
             self._in_headers = True
             self._raw_header_bytes = 0
+            self._ns_deadline = False
 
-        # on_url / on_header are uvicorn's own: the head is only counted exactly (below) when a
-        # read could hold more than max_header_bytes of it; smaller reads cannot exceed the limit
-        # and a head spread over reads is bounded by the raw count in data_received
+        # on_url is uvicorn's own: the head is only counted exactly (below) when a read could
+        # hold more than max_header_bytes of it; smaller reads cannot exceed the limit and a head
+        # spread over reads is bounded by the raw count in data_received
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            """uvicorn's, noting an ``x-request-timeout`` (the admission hook reads the headers
+            for a deadline only when one came)."""
+            name = name.lower()
+            if name == b"expect":
+                if value.lower() == b"100-continue":
+                    self.expect_100_continue = True
+            elif name == DEADLINE_HEADER:
+                self._ns_deadline = True
+            self.headers.append((name, value))
 
         def _check_head_size(self) -> None:
             n = len(self.url)
@@ -575,7 +590,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
-            self.flow.resume_reading()
+            flow = self.flow
+            if flow.read_paused:
+                flow.resume_reading()
             if self.pipeline:
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
@@ -609,8 +626,11 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                         self._ns_drop = True
                         raise _Stop
                     arrived = now - got[0]
-            d = gate.admit(now, request_deadline(self.headers, arrived, default_timeout),
-                           shedding.runnable_tasks)   # (looked up here: tests replace it)
+            if self._ns_deadline:
+                deadline = request_deadline(self.headers, arrived, default_timeout)
+            else:
+                deadline = arrived + default_timeout if default_timeout > 0 else None
+            d = gate.admit(now, deadline, shedding.runnable_tasks)   # (looked up here: tests replace it)
             if type(d) is not CpuPermit:
                 self._ns_reject = d
                 raise _Stop

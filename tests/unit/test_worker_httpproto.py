@@ -253,3 +253,27 @@ def test_the_connection_limit_503_gives_the_permit_back() -> None:
             assert stack.runtime.snapshot()["admitted"] == 2
 
     asyncio.run(main())
+
+
+def test_a_default_deadline_runs_through_the_edge() -> None:
+    async def main() -> None:
+        async with serving(admission=AdmissionSettings(sentinel=False, request_timeout_s=5.0)) as (stack, _st, addr):
+            out = await exchange(addr, b"GET /u HTTP/1.1\r\nHost: x\r\n\r\n", until=b"/u 0")
+            assert out.startswith(b"HTTP/1.1 200 ") and type(SEEN["send"].__self__).__name__ == "_Exchange"
+            assert stack.runtime.gate.inflight == 0
+
+    asyncio.run(main())
+
+
+def test_expect_100_continue_is_answered_before_the_body() -> None:
+    async def main() -> None:
+        async with serving() as (_stack, stats, addr):
+            r, w = await asyncio.open_connection(*addr)
+            w.write(b"POST /e HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+            assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            w.write(b"body")
+            assert (await asyncio.wait_for(r.readuntil(b"/e 4"), 5)).startswith(b"HTTP/1.1 200 ")
+            w.close()
+            assert stats.by_status == {200: 1}
+
+    asyncio.run(main())
