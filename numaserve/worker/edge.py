@@ -3,7 +3,10 @@
 Every HTTP request of a worker passes through exactly one ``Edge`` (HTTP
 parsed by uvicorn's protocol, frames from ``numaserve.worker.sniff`` and
 h11 alike), with one ``send`` wrapper and, only when the request has a
-body, one ``receive`` wrapper.  Per request it:
+body, one ``receive`` wrapper — or, for an HTTP/1 request whose body is
+already in, the same work done by the protocol's request cycle
+(``numaserve.worker.httpproto.LeanCycle.run_asgi``: no layer at all).  Per
+request it:
 
 * counts it (``WorkerStats``: in flight, status, latency — a few increments);
 * finishes admission: the "cpu" limiter decided in the protocol at

@@ -27,7 +27,14 @@ subclasses, each calling ``super()``:
   regex scans per header per response, creates the request's
   ``asyncio.Event`` only when the app waits for the body, and the
   keep-alive timeout is one timer per connection re-armed lazily instead
-  of a ``call_later`` per response and a cancel per read.
+  of a ``call_later`` per response and a cancel per read;
+* **the edge, folded** — for a request whose body is already in (every
+  GET, every small POST read with its head) ``LeanCycle.run_asgi`` does the
+  worker ``Edge``'s per-request work itself (counting, the admission permit,
+  queue delay, ``Connection: close`` while draining) and calls the app behind
+  the edge with the cycle's own ``send``/``receive``: one coroutine and no
+  wrapper per request or SSE chunk.  The rest (bodies still arriving, deadlines,
+  other limiters, proxy headers) runs through the ``Edge``.
 """
 
 from __future__ import annotations
