@@ -97,28 +97,18 @@ class LeanCycle(RequestResponseCycle):
     """uvicorn's ``RequestResponseCycle`` (same ASGI semantics), cheaper per request.
 
     ``send_500_response`` is uvicorn's; ``run_asgi`` is uvicorn's unless the edge is folded
-    in (below).  The per-request state that starts the same for every request is class
-    defaults (an instance attribute only once it changes): fewer stores per request.
+    in (below).  Every attribute is set in ``__init__``, in one order: class-level defaults
+    (fewer stores) measured dearer, since reads that fall through to the class are not
+    specialised (+2 % instructions per request).  ``edge``: the worker's ``Edge`` when its
+    per-request work is folded into this cycle (``run_asgi``); ``folded``: this request took
+    that path; ``permit``: the admission permit while held there; ``status``: the response's.
     """
-
-    #: The worker's ``Edge`` when its per-request work is folded into this cycle (see
-    #: ``run_asgi``), else None; ``folded``: this request took that path.
-    edge: Any = None
-    folded = False
-    permit: Any = None   # the admission permit while held (folded path)
-    status = 0           # the response status (0: none yet)
-    _event: asyncio.Event | None = None
-    _flag = False
-    disconnected = False
-    more_body = True
-    response_started = False
-    response_complete = False
-    chunked_encoding: bool | None = None
-    expected_content_length = 0
-    _head: bytes | None = None   # a declared-length head waiting for its first body bytes
 
     def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool) -> None:
         self.edge = proto._fold
+        self.folded = False
+        self.permit = None
+        self.status = 0
         self.scope = scope
         self.transport = proto.transport
         self.flow = proto.flow
@@ -127,9 +117,18 @@ class LeanCycle(RequestResponseCycle):
         self.access_log = proto.access_log
         self.default_headers = proto.server_state.default_headers
         self.on_response = proto.on_response_complete
+        self._event = None
+        self._flag = False
+        self.disconnected = False
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
         self.body = bytearray()
+        self.more_body = True
+        self.response_started = False
+        self.response_complete = False
+        self.chunked_encoding = None
+        self.expected_content_length = 0
+        self._head = None
 
     async def run_asgi(self, app: Any) -> None:
         """uvicorn's ``run_asgi``; for the worker's ``Edge`` with the request complete, the edge's
@@ -394,11 +393,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """HttpToolsProtocol + 431/408 limits + admission at head-complete + ``LeanCycle``."""
 
-        _max_header_bytes = max_header_bytes
-        _header_timeout = header_timeout
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self._max_header_bytes = max_header_bytes   # (instance attributes: read per request)
+            self._header_timeout = header_timeout
             self._fold = _foldable_edge(self.app, rt)
             self._reset_context = bool(getattr(self.config, "reset_contextvars", False))
             self._task_done = self.tasks.discard
