@@ -343,13 +343,12 @@ class LeanCycle(RequestResponseCycle):
 
 
 def _noop() -> None:
-    return None
+    """The cycle's ``on_response`` once its request is over (uvicorn's ``lambda: None``)."""
 
 
 async def _no_response(scope: Any, receive: Any, send: Any) -> None:
     """In place of the app for a request not run (its client left): uvicorn answers it as an
     app that returned without a response, as the edge does."""
-    return None
 
 
 async def connection_limit_503(scope: Any, receive: Any, send: Any) -> None:

@@ -242,7 +242,7 @@ def test_requests_do_not_see_the_lifespans_context() -> None:
 
 def test_the_connection_limit_503_gives_the_permit_back() -> None:
     async def main() -> None:
-        async with serving(max_connections=2, keepalive_timeout=30) as (stack, stats, addr):
+        async with serving(max_connections=2, keepalive_timeout=30) as (stack, _stats, addr):
             r, w = await asyncio.open_connection(*addr)   # at the limit with the next one
             w.write(b"GET /k HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.wait_for(r.readuntil(b"/k 0"), 5)
