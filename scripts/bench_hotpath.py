@@ -3,6 +3,7 @@
 
     scripts/bench_hotpath.py                  # table of µs of CPU per request, per layer stack
     scripts/bench_hotpath.py --requests 50000 --json out.json
+    scripts/bench_hotpath.py --instructions   # instructions per request under valgrind (callgrind)
 
 Each stack is a real protocol class (uvicorn's httptools protocol, or the one
 numaserve's worker assembles) fed keep-alive requests through a fake
@@ -14,6 +15,15 @@ the other processes on a shared machine are left out: the numbers are the
 Python/C work of each layer, and differences between stacks are what each
 layer costs.  ``sse`` stacks stream ``--chunks`` chunks per request and
 report CPU per chunk.
+
+``--instructions`` counts machine instructions instead (``valgrind
+--tool=callgrind``; the count does not move with the other work on a shared
+machine, CPU time does): each stack runs for 1 000 and for ``--requests``
+requests in a child process, and the difference is divided by the extra
+requests (warm-up included); SSE streams likewise (``--requests`` / 50).  The
+lag probe's timer is off in these children for every stack: under valgrind
+the wall clock runs ~50x slower per request, so a timer meant for every few
+hundred requests would fire on every one.
 
 Stacks: uvicorn's own protocol (proxy headers on, its default, and off), the
 worker numaserve assembles (``numaserve.worker.edge.build_stack``, defaults)
@@ -188,16 +198,76 @@ def stacks(sse_chunks: int) -> dict[str, Callable[[], tuple[type, Any, Any]]]:
     return out
 
 
+def _no_probe_timer() -> None:
+    """For the valgrind children: no lag-probe timer, and a probe that always looks fresh."""
+    from numaserve.worker import shedding
+
+    shedding.LoopProbe._arm = lambda self, now: None  # type: ignore[method-assign]
+    shedding.LoopProbe.beat = property(lambda s: time.monotonic(), lambda s, v: None)  # type: ignore[assignment]
+
+
+def _child(name: str, kind: str, n: int, chunks: int) -> None:
+    _no_probe_timer()
+    make = stacks(chunks)[name]
+    if kind == "sse":
+        run_stack(make, n, SSE_REQUEST, b"0\r\n\r\n")
+    else:
+        run_stack(make, n, REQUEST, b"}")
+
+
+def instructions(name: str, kind: str, n1: int, n2: int, chunks: int) -> float:
+    """Instructions per request (per SSE stream) of one stack: two callgrind runs, differenced."""
+    import re
+    import subprocess
+
+    def total(n: int) -> int:
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                str(Path(__file__).resolve()), "--child", name, kind, str(n), "--chunks", str(chunks)]
+        err = subprocess.run(argv, capture_output=True, text=True, check=True).stderr
+        m = re.search(r"Collected : (\d+)", err)
+        if not m:
+            raise RuntimeError(f"no instruction count from valgrind: {err[-300:]}")
+        return int(m.group(1))
+
+    def with_warmup(n: int) -> int:   # run_stack's warm-up requests are counted too
+        return n + n // 10 + 50
+
+    return (total(n2) - total(n1)) / (with_warmup(n2) - with_warmup(n1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench_hotpath.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per stack (default 20000; with --instructions 6000)")
     ap.add_argument("--chunks", type=int, default=50, help="SSE chunks per streamed request")
     ap.add_argument("--reps", type=int, default=3, help="best of N (CPU time is noisy on a shared machine)")
     ap.add_argument("--only", default="", help="substring filter on stack names")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--instructions", action="store_true",
+                    help="instructions per request under valgrind instead of CPU time (slow: minutes)")
+    ap.add_argument("--child", nargs=3, metavar=("STACK", "KIND", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.child:
+        _child(a.child[0], a.child[1], int(a.child[2]), a.chunks)
+        return 0
     rows = []
+    if not a.instructions and a.requests is None:
+        a.requests = 20000
+    if a.instructions:
+        n2 = max(a.requests or 6000, 1100)
+        for name in stacks(a.chunks):
+            if a.only and a.only not in name:
+                continue
+            tiny = instructions(name, "tiny", 1000, n2, a.chunks)
+            sse = instructions(name, "sse", 40, max(80, n2 // a.chunks), a.chunks)
+            row = {"stack": name, "tiny_instructions_per_req": round(tiny),
+                   "sse_instructions_per_stream": round(sse), "chunks": a.chunks}
+            rows.append(row)
+            print(f"{tiny:10.0f} instr/req {sse:10.0f} instr/stream of {a.chunks}  {name}", flush=True)
+        if a.json:
+            a.json.write_text(json.dumps({"requests": n2, "chunks": a.chunks, "rows": rows}, indent=1))
+        return 0
     for name, make in stacks(a.chunks).items():
         if a.only and a.only not in name:
             continue

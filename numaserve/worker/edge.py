@@ -3,7 +3,10 @@
 Every HTTP request of a worker passes through exactly one ``Edge`` (HTTP
 parsed by uvicorn's protocol, frames from ``numaserve.worker.sniff`` and
 h11 alike), with one ``send`` wrapper and, only when the request has a
-body, one ``receive`` wrapper.  Per request it:
+body, one ``receive`` wrapper — or, for an HTTP/1 request whose body is
+already in, the same work done by the protocol's request cycle
+(``numaserve.worker.httpproto.LeanCycle.run_asgi``: no layer at all).  Per
+request it:
 
 * counts it (``WorkerStats``: in flight, status, latency — a few increments);
 * finishes admission: the "cpu" limiter decided in the protocol at
@@ -200,7 +203,14 @@ class Edge:
     ``cpu``: an ``AdmissionRuntime`` (limiter "cpu"); ``gate``: an
     ``AdmissionGate`` (limiters "gradient"/"static"); ``max_body_bytes`` /
     ``read_timeout``: the body limits (0: none).
+
+    Served by the worker's HTTP protocol, a request with its body already in skips this
+    layer's coroutine and wrapper: ``numaserve.worker.httpproto.LeanCycle.run_asgi`` does
+    the same per-request work (``protocol_foldable``).
     """
+
+    #: ``LeanCycle`` may do this layer's per-request work itself (see above).
+    protocol_foldable = True
 
     def __init__(self, app: ASGIApp, *, stats: WorkerStats | None = None, lifespan: LifespanRecord | None = None,
                  cpu: Any = None, gate: Any = None, default_timeout_s: float = 0.0,

@@ -27,12 +27,20 @@ subclasses, each calling ``super()``:
   regex scans per header per response, creates the request's
   ``asyncio.Event`` only when the app waits for the body, and the
   keep-alive timeout is one timer per connection re-armed lazily instead
-  of a ``call_later`` per response and a cancel per read.
+  of a ``call_later`` per response and a cancel per read;
+* **the edge, folded** — for a request whose body is already in (every
+  GET, every small POST read with its head) ``LeanCycle.run_asgi`` does the
+  worker ``Edge``'s per-request work itself (counting, the admission permit,
+  queue delay, ``Connection: close`` while draining) and calls the app behind
+  the edge with the cycle's own ``send``/``receive``: one coroutine and no
+  wrapper per request or SSE chunk.  The rest (bodies still arriving, deadlines,
+  other limiters, proxy headers) runs through the ``Edge``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import urllib.parse
 from typing import Any
 
@@ -48,6 +56,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from numaserve.errors_http import error_body, error_headers
+from numaserve.worker.shedding import DEADLINE_HEADER, PERMIT_KEY
 
 __all__ = ["LeanCycle", "guarded_httptools_protocol"]
 
@@ -87,10 +96,19 @@ def _check_header(name: bytes, value: bytes) -> None:
 class LeanCycle(RequestResponseCycle):
     """uvicorn's ``RequestResponseCycle`` (same ASGI semantics), cheaper per request.
 
-    ``run_asgi`` and ``send_500_response`` are uvicorn's.
+    ``send_500_response`` is uvicorn's; ``run_asgi`` is uvicorn's unless the edge is folded
+    in (below).  Every attribute is set in ``__init__``, in one order: class-level defaults
+    (fewer stores) measured dearer, since reads that fall through to the class are not
+    specialised (+2 % instructions per request).  ``edge``: the worker's ``Edge`` when its
+    per-request work is folded into this cycle (``run_asgi``); ``folded``: this request took
+    that path; ``permit``: the admission permit while held there; ``status``: the response's.
     """
 
     def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool) -> None:
+        self.edge = proto._fold
+        self.folded = False
+        self.permit = None
+        self.status = 0
         self.scope = scope
         self.transport = proto.transport
         self.flow = proto.flow
@@ -99,7 +117,7 @@ class LeanCycle(RequestResponseCycle):
         self.access_log = proto.access_log
         self.default_headers = proto.server_state.default_headers
         self.on_response = proto.on_response_complete
-        self._event: asyncio.Event | None = None
+        self._event = None
         self._flag = False
         self.disconnected = False
         self.keep_alive = keep_alive
@@ -108,9 +126,87 @@ class LeanCycle(RequestResponseCycle):
         self.more_body = True
         self.response_started = False
         self.response_complete = False
-        self.chunked_encoding: bool | None = None
+        self.chunked_encoding = None
         self.expected_content_length = 0
-        self._head: bytes | None = None   # a declared-length head waiting for its first body bytes
+        self._head = None
+
+    async def run_asgi(self, app: Any) -> None:
+        """uvicorn's ``run_asgi``; for the worker's ``Edge`` with the request complete, the edge's
+        per-request work inline (one coroutine, no ``send``/``receive`` wrapper).
+
+        Folded: the app behind the edge is called with this cycle's own ``send``/``receive``
+        when the request's body (if any) is already in and within ``max_body_bytes`` (so the
+        body limits have nothing left to do), and admission, if on, was decided by the
+        protocol without a deadline.  The counting, the permit (released at the end, or at the
+        first chunk of a stream), the queue delay, the departed-client check and
+        ``Connection: close`` while draining are the edge's, done here.  Anything else (a body
+        still arriving, a deadline, the other limiters, proxy headers wrapping the edge) runs
+        through the ``Edge`` itself.
+        """
+        edge = self.edge
+        if edge is None or app is not edge or self.more_body \
+                or (edge.max_body_bytes > 0 and len(self.body) > edge.max_body_bytes):
+            await RequestResponseCycle.run_asgi(self, app)
+            return
+        scope = self.scope
+        cpu = edge.cpu
+        permit = None
+        if cpu is not None:
+            permit = scope.get(PERMIT_KEY)
+            if permit is None or permit.deadline is not None:
+                await RequestResponseCycle.run_asgi(self, app)   # undecided, or a deadline: the edge's path
+                return
+            del scope[PERMIT_KEY]
+        clock = edge.clock
+        stats = edge.stats
+        t0 = clock()
+        stats.inflight += 1
+        self.folded = True
+        outcome = "ok"
+        inner = edge.app
+        try:
+            if permit is not None:
+                if t0 - permit.enqueued_at > edge.gone_after and cpu.client_gone(permit.conn):
+                    edge.gate.client_gone(t0, permit)   # waited so long its client left: not run
+                    inner = _no_response
+                else:
+                    cpu.started(permit, t0)
+                    self.permit = permit
+            try:
+                result = await inner(scope, self.receive, self.send)
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    outcome = "ignored"
+                elif isinstance(exc, asyncio.CancelledError):
+                    outcome = "dropped"
+                self.logger.error("Exception in ASGI application\n", exc_info=exc)
+                if not self.response_started:
+                    await self.send_500_response()
+                else:
+                    self.transport.close()
+            else:
+                status = self.status
+                if status >= 500:
+                    outcome = "dropped" if status == 504 else "ignored"
+                elif status == 400:
+                    outcome = "bad_request"
+                if result is not None:
+                    self.logger.error("ASGI callable should return None, but returned '%s'.", result)
+                    self.transport.close()
+                elif not self.response_started and not self.disconnected:
+                    self.logger.error("ASGI callable returned without starting response.")
+                    await self.send_500_response()
+                elif not self.response_complete and not self.disconnected:
+                    self.logger.error("ASGI callable returned without completing response.")
+                    self.transport.close()
+        finally:
+            end = clock()
+            permit = self.permit
+            if permit is not None:
+                self.permit = None
+                edge.gate.release(end, permit, outcome)
+            stats.request_finished(self.status or 500, (end - t0) * 1000.0)
+            self.on_response = _noop
 
     @property
     def message_event(self) -> asyncio.Event:  # type: ignore[override]
@@ -157,6 +253,11 @@ class LeanCycle(RequestResponseCycle):
             self.response_started = True
             self.waiting_for_100_continue = False
             status_code = message["status"]
+            self.status = int(status_code)
+            if self.folded:   # the edge's part: Connection: close while draining (or shedding)
+                edge = self.edge
+                if edge.stats.draining or (edge.close_when_overloaded and edge.gate.shedding(edge.clock())):
+                    self.keep_alive = False
             if self.access_log:
                 self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
                                         self.scope["method"], get_path_with_query_string(self.scope),
@@ -166,7 +267,12 @@ class LeanCycle(RequestResponseCycle):
                 content.extend((name, b": ", value, b"\r\n"))
             has_close = False
             for name, value in message.get("headers", ()):
-                _check_header(name, value)
+                try:
+                    known = (name, value) in _VALID
+                except TypeError:   # bytearray & co: not hashable, checked every time
+                    known = False
+                if not known:
+                    _check_header(name, value)
                 name = name.lower()
                 if name == b"content-length" and self.chunked_encoding is None:
                     self.expected_content_length = int(value.decode())
@@ -218,7 +324,13 @@ class LeanCycle(RequestResponseCycle):
                         self.transport.write(head + body)
                 elif num_bytes:
                     self.transport.write(body)
-            if not more_body:
+            if more_body:
+                permit = self.permit
+                if permit is not None:   # a stream: no permit between chunks
+                    self.permit = None
+                    edge = self.edge
+                    edge.gate.release(edge.clock(), permit, "ok")
+            else:
                 if self.expected_content_length != 0:
                     raise RuntimeError("Response content shorter than Content-Length")
                 self.response_complete = True
@@ -230,12 +342,31 @@ class LeanCycle(RequestResponseCycle):
             raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent, after response already completed.")
 
 
+def _noop() -> None:
+    """The cycle's ``on_response`` once its request is over (uvicorn's ``lambda: None``)."""
+
+
+async def _no_response(scope: Any, receive: Any, send: Any) -> None:
+    """In place of the app for a request not run (its client left): uvicorn answers it as an
+    app that returned without a response, as the edge does."""
+
+
 async def connection_limit_503(scope: Any, receive: Any, send: Any) -> None:
     """The answer past ``server.max_connections``: uvicorn's 503, in the error shape."""
     body = error_body(503, "server.max_connections reached: try again")
     await send({"type": "http.response.start", "status": 503,
                 "headers": [*error_headers(503, body), (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _foldable_edge(app: Any, rt: Any) -> Any:
+    """The worker's ``Edge`` when ``LeanCycle`` can do its per-request work itself: uvicorn
+    loaded it unwrapped (no proxy-headers or trace middleware around it), it counts requests,
+    and its admission is the protocol's own "cpu" runtime or none."""
+    if (getattr(app, "protocol_foldable", False) and app.stats is not None
+            and app._async_gate is None and app.cpu is rt):
+        return app
+    return None
 
 
 def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
@@ -252,7 +383,6 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
         from numaserve.loops.cpu_gate import CpuPermit
         from numaserve.worker import shedding
         from numaserve.worker.shedding import (
-            PERMIT_KEY,
             TCP_ESTABLISHED,
             reject_response,
             request_deadline,
@@ -262,11 +392,13 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """HttpToolsProtocol + 431/408 limits + admission at head-complete + ``LeanCycle``."""
 
-        _max_header_bytes = max_header_bytes
-        _header_timeout = header_timeout
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self._max_header_bytes = max_header_bytes   # (instance attributes: read per request)
+            self._header_timeout = header_timeout
+            self._fold = _foldable_edge(self.app, rt)
+            self._reset_context = bool(getattr(self.config, "reset_contextvars", False))
+            self._task_done = self.tasks.discard
             self._in_headers = True
             self._exact_head = False    # this read may hold a head over the limit: count it exactly
             self._raw_header_bytes = 0  # received while headers incomplete
@@ -276,6 +408,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._ka_timer: asyncio.TimerHandle | None = None
             self._ns_reject: Any = None
             self._ns_drop = False
+            self._ns_deadline = False   # this request's head has an x-request-timeout
 
         # --- connection ----------------------------------------------------------------------
 
@@ -355,10 +488,22 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             }
             self._in_headers = True
             self._raw_header_bytes = 0
+            self._ns_deadline = False
 
-        # on_url / on_header are uvicorn's own: the head is only counted exactly (below) when a
-        # read could hold more than max_header_bytes of it; smaller reads cannot exceed the limit
-        # and a head spread over reads is bounded by the raw count in data_received
+        # on_url is uvicorn's own: the head is only counted exactly (below) when a read could
+        # hold more than max_header_bytes of it; smaller reads cannot exceed the limit and a head
+        # spread over reads is bounded by the raw count in data_received
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            """uvicorn's, noting an ``x-request-timeout`` (the admission hook reads the headers
+            for a deadline only when one came)."""
+            name = name.lower()
+            if name == b"expect":
+                if value.lower() == b"100-continue":
+                    self.expect_100_continue = True
+            elif name == DEADLINE_HEADER:
+                self._ns_deadline = True
+            self.headers.append((name, value))
 
         def _check_head_size(self) -> None:
             n = len(self.url)
@@ -398,6 +543,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
                 app: Any = connection_limit_503
                 self.logger.warning("Exceeded concurrency limit.")
+                permit = scope.pop(PERMIT_KEY, None)
+                if permit is not None:   # admitted, but answered without the app: give it back
+                    gate.release(clock(), permit, "ignored")
             else:
                 app = self.app
             existing = self.cycle
@@ -410,9 +558,17 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self.pipeline.appendleft((self.cycle, app))
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            """uvicorn 0.54's, without its per-call lookups: a task per request, in a fresh
+            ``contextvars.Context`` with ``reset_contextvars`` (uvicorn's opt-in), registered in
+            ``server_state.tasks`` until done."""
             if app is service_unavailable:
                 app = connection_limit_503
-            super()._start_asgi_task(cycle, app)
+            if self._reset_context:
+                task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+            else:
+                task = self.loop.create_task(cycle.run_asgi(app))
+            task.add_done_callback(self._task_done)
+            self.tasks.add(task)
 
         def on_body(self, body: bytes) -> None:
             if self.parser.should_upgrade() and self._should_upgrade():
@@ -438,7 +594,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
-            self.flow.resume_reading()
+            flow = self.flow
+            if flow.read_paused:
+                flow.resume_reading()
             if self.pipeline:
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
@@ -472,7 +630,11 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                         self._ns_drop = True
                         raise _Stop
                     arrived = now - got[0]
-            d = gate.admit(now, request_deadline(self.headers, arrived, default_timeout),
+            if self._ns_deadline:
+                deadline = request_deadline(self.headers, arrived, default_timeout)
+            else:
+                deadline = arrived + default_timeout if default_timeout > 0 else None
+            d = gate.admit(now, deadline,
                            shedding.runnable_tasks,   # (looked up here: tests replace it)
                            self.cycle is None)        # a connection's first request (sentinel hand-back)
             if type(d) is not CpuPermit:

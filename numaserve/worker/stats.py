@@ -207,7 +207,8 @@ class WorkerStats:
         self.requests += 1
         by = self.by_status
         by[status] = by.get(status, 0) + 1
-        h = self.window.current
+        w = self.window
+        h = w._ring[w._cur]   # (w.current without the property call: this runs per request)
         if latency_ms < 0.0:
             latency_ms = 0.0
         h.counts[bisect.bisect_left(BUCKET_UPPER_MS, latency_ms)] += 1
