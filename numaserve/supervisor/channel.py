@@ -24,6 +24,8 @@ import zmq
 import zmq.asyncio
 
 from numaserve.control import messages as m
+from numaserve.control.zmqwatch import ReadWatch
+from numaserve.control.zmqwatch import wake as _done
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S
 
@@ -58,7 +60,7 @@ class WorkerChannel:
         self._sync_of: zmq.asyncio.Socket | None = None
         self.coalesce_s = COALESCE_S
         self._hurry: asyncio.Future[None] | None = None   # set while serve() pauses to coalesce
-        self._watch: asyncio.Future[None] | None = None   # set while serve() watches the fd
+        self._watch = ReadWatch()   # waiting while serve() watches the fd
         self.held = False         # ``hold``: between passes, wait for a command or ``hold(False)``, not the fd
         self.wakeups = 0          # receive passes (each: one wake-up of the loop for this socket)
         self.received = 0         # messages read
@@ -100,25 +102,9 @@ class WorkerChannel:
                 await asyncio.sleep(0)
 
     async def _readable(self) -> None:
-        """Until a message is queued (or ``hold`` asks to stop watching): the fd is watched only for this wait.
-
-        libzmq's fd is edge-triggered: reading ``EVENTS`` processes what the
-        I/O thread signalled, so a message that comes after this check makes
-        the fd readable again and the watch sees it.
-        """
-        sync = self._sync_sock()
-        if sync.get(zmq.EVENTS) & zmq.POLLIN:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        fd = sync.get(zmq.FD)
-        loop.add_reader(fd, _done, fut)
-        self._watch = fut
-        try:
-            await fut
-        finally:
-            self._watch = None
-            loop.remove_reader(fd)
+        """Until a message is queued (or ``hold`` asks to stop watching): the fd is watched only for this wait
+        (``numaserve.control.zmqwatch``)."""
+        await self._watch.wait(self._sync_sock())
 
     def hold(self, on: bool) -> None:
         """``True``: after a pass, leave messages queued until a command expects Acks, ``hold(False)``,
@@ -133,8 +119,8 @@ class WorkerChannel:
         self.held = on
         if not on:
             self._hurry_up()
-        elif self._watch is not None:
-            _done(self._watch)   # stop watching the fd now, not after the next message
+        else:
+            self._watch.release()   # stop watching the fd now, not after the next message
 
     def _read_queued(self, handler: cp.WorkerMessages) -> int:
         """Handle up to a batch of queued messages through the direct socket; how many."""
@@ -223,9 +209,7 @@ class WorkerChannel:
     def _recheck(self) -> None:
         """A send (or a read outside ``serve``) processes libzmq's pending commands, and with them the
         fd's edge for messages that came meanwhile: a waiting ``serve`` must look again."""
-        fut = self._watch
-        if fut is not None and not fut.done() and self._sync_sock().get(zmq.EVENTS) & zmq.POLLIN:
-            fut.set_result(None)
+        self._watch.recheck(self._sync_sock())
 
     async def broadcast_one(self, w: S.WorkerProc, name: str, args: dict[str, Any], *,
                             timeout: float = 5.0) -> dict[str, Any]:
@@ -318,7 +302,3 @@ class WorkerChannel:
         return {key: {"pid": w.pid, "generation": w.generation, **res}
                 for key, (_, w, _), res in zip(keys, targets, results)}
 
-
-def _done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)

@@ -16,7 +16,6 @@ fake ``post``.  Malformed frames are counted and dropped, never fatal.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import ctypes.util
 import gc
@@ -35,6 +34,7 @@ from numaserve.control.messages import (
     decode_from_supervisor,
     encode,
 )
+from numaserve.control.zmqwatch import ReadWatch
 
 __all__ = [
     "BEAT_PHASE_STEP_S",
@@ -115,7 +115,7 @@ class ControlChannel:
         self._sock.setsockopt(zmq.RCVHWM, 1000)
         self._sock.connect(endpoint)
         self._closed = False
-        self._watch: asyncio.Future[None] | None = None   # set while recv() watches the fd
+        self._watch = ReadWatch()   # waiting while recv() watches the fd
 
     def post(self, msg: Msg) -> bool:
         """Queue ``msg`` without blocking; False (and counted) if it was dropped."""
@@ -133,9 +133,7 @@ class ControlChannel:
     def _recheck(self) -> None:
         """A send processes libzmq's pending commands, and with them the fd's edge for a message that
         came meanwhile: a waiting ``recv`` must look again, or that message waits for the next one."""
-        fut = self._watch
-        if fut is not None and not fut.done() and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
-            fut.set_result(None)
+        self._watch.recheck(self._sock)
 
     async def recv(self) -> bytes:
         """Next message payload (last frame): read at once when one is queued, else after the fd says so."""
@@ -148,20 +146,8 @@ class ControlChannel:
             await self._readable()
 
     async def _readable(self) -> None:
-        """Until a message may be queued.  libzmq's fd is edge-triggered: ``EVENTS`` (read here, and by
-        every recv) processes what the I/O thread signalled, so what comes after it wakes the watch."""
-        if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        fd = self._sock.get(zmq.FD)
-        loop.add_reader(fd, _wake, fut)
-        self._watch = fut
-        try:
-            await fut
-        finally:
-            self._watch = None
-            loop.remove_reader(fd)
+        """Until a message may be queued (``numaserve.control.zmqwatch``: the fd is watched only meanwhile)."""
+        await self._watch.wait(self._sock)
 
     def close(self, linger_ms: int | None = None) -> None:
         """Close, letting queued messages (e.g. Goodbye) flush for up to ``linger_ms``."""
@@ -171,11 +157,6 @@ class ControlChannel:
         linger = self.linger_ms if linger_ms is None else linger_ms
         self._sock.close(linger=linger)
         self._ctx.term()
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class WorkerActions(Protocol):
