@@ -85,7 +85,7 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     sentinel: bool = True                # a thread answers 503 from the accept queue while the loop is stalled
     stall_after_s: float = 0.002         # stalled: the probe is this late (while short of CPU) ...
     stall_idle_after_s: float = 1.0      # ... or this late otherwise (a cold start, a GC pause: not overload)
-    stall_queue: int = 1                 # connections given to the loop during a stall (at least)
+    stall_queue: int = 1                 # connections left waiting in the accept queue during a stall (at least)
     close_when_overloaded: bool = False  # Connection: close on responses while shedding (clients come back
                                          # through the accept queue, where the sentinel sees them)
     overload_hold_s: float = 1.0         # "shedding" lasts this long after the last shed

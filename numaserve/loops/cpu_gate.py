@@ -35,7 +35,7 @@ the start of an overload: the gate says *overloaded* at once instead of after
 Also here: an in-flight safety cap (``max_inflight`` and the supervisor's
 lease ceiling; 0/None = none, the default: streams never hit a cap), the
 supervisor's rate quota (429), client deadlines (504), the counters and the
-decision every sentinel makes (``stall_keep``).  Pure: every call takes
+decision every sentinel makes (``stall_excess``).  Pure: every call takes
 ``now``; no clock, no I/O.
 """
 
@@ -78,8 +78,6 @@ CPU_WINDOW_S = 0.05
 OVERLOAD_ARRIVAL_RATIO = 1.5
 #: ... and the spell is at least this long (a handful of requests is no rate).
 OVERLOAD_MIN_SPELL_S = 0.02
-#: A connection handed back by a sentinel holds its admission this long at most (see ``took_handed``).
-HANDED_TTL_S = 1.0
 #: A finished request's outcome -> the counter it adds to.
 _OUTCOME_COUNTER = {"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}
 
@@ -264,8 +262,6 @@ class CpuGate:
         self._arrivals = 0                            # requests that reached the CPU decision (cumulative)
         self._spell_at = now                          # the loop's last idle moment (probe on time) ...
         self._spell_n = 0                             # ... and _arrivals then
-        self.handed = 0                               # handed-back connections taken, not decided yet
-        self._handed_at = now
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -358,15 +354,8 @@ class CpuGate:
         return d if type(d) is Reject else Admit(d)  # type: ignore[arg-type]
 
     def admit(self, now: float, deadline: float | None = None,
-              runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0),
-              fresh: bool = False) -> CpuPermit | Reject:
+              runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> CpuPermit | Reject:
         """Admit (the permit) or refuse at once.
-
-        ``fresh``: the first request of its connection.  While connections a sentinel handed back
-        to the loop are not decided yet (``handed``, see ``took_handed``) a fresh request takes one
-        of them and is not refused for CPU: the sentinel already counted it against the bound and
-        answered the others; refusing it here, after the iterations an adopted connection needs
-        before its head is read, was a slow 503 (~90 ms behind 20 ms blocking calls).
 
         ``runnable``: (tasks ready to run that already ran a step, tasks not started yet) besides
         this request, or a function counting them (called only when the loop is short of CPU).
@@ -390,11 +379,7 @@ class CpuGate:
         self._arrivals += 1
         lag = self.lag
         target = lag.target
-        if self.handed and now - self._handed_at > HANDED_TTL_S:
-            self.handed = 0    # taken long ago and never decided: their connections sent nothing
-        if fresh and self.handed > 0:
-            self.handed -= 1
-        elif (self._overloaded or lag.value > target
+        if (self._overloaded or lag.value > target
                 or (self.inflight > 0 and now - (lag.at + lag.period) > target)) \
                 and (self._overloaded or lag.short(now, self.inflight > 0)):
             started, new = runnable() if callable(runnable) else runnable
@@ -464,51 +449,26 @@ class CpuGate:
 
     # --- the sentinel ------------------------------------------------------------------------
 
-    def stall_keep(self, now: float, stalled_for: float, handed: int = 0) -> int | None:
-        """How many more new connections the loop will admit when it is back from its stall
-        (a sentinel hands those to the loop and answers every other one with 503 now); None while
-        the loop is not stalled (the sentinel leaves everything to it).
-
-        Stalled: the probe is ``stall_after_s`` late when the loop was already short of CPU,
-        else ``stall_idle_after_s`` (a single long call on a quiet worker is not overload).
-        When the loop is back it first finishes the CPU already queued inside the worker: the
-        requests in flight (``inflight`` × the learnt CPU per request, less what the stall has
-        already done of it) and the ``handed`` connections given to it and not yet taken.  A
-        new connection is kept only if its whole CPU fits, after the stall so far and that
-        queue, in the gate's own bound
-        (``overload_wait_s`` while overloaded, else ``burst_wait_s``: the gate would refuse
-        the others after reading their heads, one or two loop iterations later, which is the
-        slow 503 this avoids); at
-        least ``stall_queue`` while nothing is queued behind the current call (the loop has
-        work the moment it is back).  Behind one 20 ms call 1 stays, behind two none; a 5 ms
-        handler blocking the loop keeps 7 beside the running one (8 closed-loop clients with a
-        connection per request are all served).
-        """
-        if self.inflight <= 0 or stalled_for < self.stall_limit(now):
-            return None
-        cpu = self.request_cpu_s
-        if cpu <= 0:
-            return max(0, self.s.stall_queue - handed)
-        ahead = max(0.0, self.inflight * cpu - stalled_for) + handed * cpu
-        bound = self.s.overload_wait_s if self._overloaded else self.s.burst_wait_s
-        free = bound - stalled_for - ahead   # the stall so far counts: a long call shows it is long
-        keep = math.floor(free / cpu + 1e-9) if free > 0 else 0
-        if self.inflight + handed <= 1:
-            keep = max(keep, self.s.stall_queue - handed)
-        return max(0, keep)
-
     def stall_excess(self, now: float, stalled_for: float, accept_queue: int) -> int:
-        """How many of an accept queue of this length a sentinel that cannot hand connections
-        back to the loop answers with 503 (it leaves ``stall_keep`` of them in the queue)."""
-        keep = self.stall_keep(now, stalled_for)
-        return 0 if keep is None else max(0, accept_queue - keep)
+        """How many connections a sentinel should answer 503 from an accept queue of this length.
 
-    def took_handed(self, now: float) -> None:
-        """(On the loop.) The loop has taken a connection a sentinel handed back: its first
-        request is admitted (``admit(fresh=True)``), and counts against ``stall_keep`` until then
-        (at most ``HANDED_TTL_S``: a connection that sends no request does not hold it)."""
-        self.handed += 1
-        self._handed_at = now
+        Only while the loop is stalled: its probe is ``stall_after_s`` late
+        when it was already short of CPU, else ``stall_idle_after_s`` (a
+        single long call on a quiet worker is not overload).  What stays for
+        the loop is what its own gate would admit: the connections whose
+        learnt CPU fits in what is left of ``overload_wait_s`` after the
+        stall so far, and never fewer than ``stall_queue`` (so the loop has
+        work the moment it is back).  A 5 ms handler that blocks the loop is
+        a stall every call; 8 clients of it queue ~35 ms and are all served,
+        while behind a 20 ms one only 2 stay and behind a long call 1.
+        """
+        if self.inflight <= 0:
+            return 0
+        if stalled_for < self.stall_limit(now):
+            return 0
+        budget = self.s.overload_wait_s - stalled_for
+        keep = math.ceil(budget / self.request_cpu_s) if budget > 0 and self.request_cpu_s > 0 else 0
+        return max(0, accept_queue - max(self.s.stall_queue, keep))
 
     def stall_limit(self, now: float) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is

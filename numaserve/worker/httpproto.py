@@ -634,9 +634,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 deadline = request_deadline(self.headers, arrived, default_timeout)
             else:
                 deadline = arrived + default_timeout if default_timeout > 0 else None
-            d = gate.admit(now, deadline,
-                           shedding.runnable_tasks,   # (looked up here: tests replace it)
-                           self.cycle is None)        # a connection's first request (sentinel hand-back)
+            d = gate.admit(now, deadline, shedding.runnable_tasks)   # (looked up here: tests replace it)
             if type(d) is not CpuPermit:
                 self._ns_reject = d
                 raise _Stop

@@ -17,13 +17,11 @@
   holding it: a blocking handler) the in-loop gate cannot act; the thread
   sleeps in ``poll()`` on the listener until a connection waits in its accept
   queue (with keep-alive clients: never), checks whether the loop is stalled,
-  accepts every queued connection, hands the oldest the loop will still admit
-  when it is back (``CpuGate.stall_keep``) back to it (``adopt``; the gate
-  admits their first request) and answers the newer ones with 503 from
-  outside the loop at once (without a hand-back it leaves ``stall_excess``
-  in the queue instead).  It needs the
-  GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms;
-  lowered to ``SHED_SWITCH_S`` while the worker sheds)
+  reads the queue's length (``TCP_INFO`` on the listening socket), leaves
+  what the loop's gate would admit (``CpuGate.stall_excess``: at least
+  ``stall_queue``) and answers the oldest others
+  with 503 from outside the loop.  It needs the
+  GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
   and most C extensions around heavy work; a C call that holds the GIL for
   long stalls the sentinel too (then only the supervisor's steering helps).
   Its accept/recv/send/shutdown/close are non-blocking libc calls that keep
@@ -45,7 +43,6 @@ import os
 import select
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -258,8 +255,7 @@ class AdmissionRuntime:
             out["shed"]["stall"] = out["shed"].get("stall", 0) + sent.shed
             out["status_503"] += sent.shed
         out["sentinel"] = None if sent is None else {"shed": sent.shed, "handed_back": sent.handed_back,
-                                                     "kept": sent.handed_out, "stalls": sent.stalls,
-                                                     "client_gone": sent.gone}
+                                                     "stalls": sent.stalls, "client_gone": sent.gone}
         out["rejected_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
         # answered before any ASGI middleware saw them (the worker adds them to its status classes)
         out["unserved_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
@@ -297,11 +293,6 @@ class Sentinel(threading.Thread):
     #: After the 503 and FIN, what the client still sends is read and dropped this long (no RST).
     LINGER_S = 1.0
     LINGER_READS = 4          # reads of a lingering connection per pass (64 KB each)
-    SORT_MAX = 256            # connections accepted per listener per pass (bounded time with the GIL held)
-    #: The interpreter's GIL switch interval while the worker sheds: a thread asking for the GIL
-    #: waits this long before the loop's thread is made to drop it (the default, 5 ms, was most of
-    #: a sentinel 503's time); restored once the gate stops shedding or the sentinel parks.
-    SHED_SWITCH_S = 0.0005
 
     def __init__(self, rt: AdmissionRuntime, listeners: list[socket.socket],
                  adopt: Callable[[socket.socket], None] | None) -> None:
@@ -318,9 +309,6 @@ class Sentinel(threading.Thread):
         self.handed_back = 0
         self.stalls = 0
         self.gone = 0
-        self.handed_out = 0       # connections given back to the loop (this thread writes it) ...
-        self.taken = 0            # ... and taken by the loop (the loop's thread writes it)
-        self._switch: float | None = None   # the switch interval to restore (None: not lowered)
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop_evt.set()
@@ -332,7 +320,6 @@ class Sentinel(threading.Thread):
         try:
             self._run()
         finally:
-            self._fast_gil(False)
             for fd, _ in self._pending + self._linger:
                 heldsock.close(fd)
             for s in self._listeners:
@@ -356,7 +343,6 @@ class Sentinel(threading.Thread):
                     # setting it on the next admission takes its lock in both threads per gap)
                     self._stop_evt.wait(0.05)   # (not poll(): nothing to answer with nothing in flight)
                     continue
-                self._fast_gil(False)
                 rt.busy.clear()          # then look again: an admission in between sets it anew
                 if gate.inflight <= 0:
                     rt.busy.wait(1.0)
@@ -366,7 +352,6 @@ class Sentinel(threading.Thread):
             probe = rt.probe
             stalled_for = now - probe.beat - probe.period
             limit = gate.stall_limit(now)
-            self._fast_gil(limit < gate.s.stall_idle_after_s)   # while the worker sheds
             if stalled_for < limit or gate.inflight <= 0:
                 stalled_before = False
                 self._service(now)
@@ -384,11 +369,7 @@ class Sentinel(threading.Thread):
                 self.stalls += 1
                 stalled_before = True
             waiting = 0
-            loop = probe.loop
             for lst in self._listeners:
-                if self.adopt is not None and loop is not None:
-                    self._sort(lst, loop, now, stalled_for)   # takes every queued connection
-                    continue
                 depth = accept_queue_depth(lst) or 0
                 waiting += depth
                 for _ in range(gate.stall_excess(now, stalled_for, depth)):
@@ -400,49 +381,10 @@ class Sentinel(threading.Thread):
             else:          # stalled (or not scheduled: more workers than CPUs) with nobody waiting:
                 queue.poll(self._idle_poll_ms())   # nothing to answer until a connection arrives
 
-    def _fast_gil(self, on: bool) -> None:
-        """Lower the GIL switch interval while the worker sheds (``SHED_SWITCH_S``), restore it after.
-        Only a thread waiting for the GIL is affected: the loop's thread alone never switches."""
-        if on and self._switch is None:
-            self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch, self.SHED_SWITCH_S))
-        elif not on and self._switch is not None:
-            sys.setswitchinterval(self._switch)
-            self._switch = None
-
     def _idle_poll_ms(self) -> float:
         """How long to sleep in poll() when no connection waits: until pending heads and
         lingering closes need a look."""
         return 50.0 if not (self._pending or self._linger) else self.STALL_POLL_S * 10 * 1000.0
-
-    def _sort(self, lst: socket.socket, loop: asyncio.AbstractEventLoop, now: float, stalled_for: float) -> None:
-        """Accept every connection queued on ``lst``: hand the oldest the loop will still admit
-        (``CpuGate.stall_keep``) back to it, answer the newer ones with 503 now.
-
-        ``accept()`` takes the oldest first; leaving the kept ones in the queue (as without a
-        hand-back) answered the *older* connections once newer ones arrived, so a 503 waited
-        for the next arrival.  A handed-back connection counts against the loop's room until
-        the loop has taken it (``_took``, run on the loop right after its ``adopt``)."""
-        for _ in range(self.SORT_MAX):
-            gate = self.rt.gate
-            keep = gate.stall_keep(now, stalled_for, self.handed_out - self.taken + gate.handed)
-            if keep is None:
-                return
-            fd = heldsock.accept(lst.fileno())   # (GIL held: see numaserve.net.heldsock)
-            if fd < 0:
-                return
-            if keep > 0:
-                self.handed_out += 1
-                self.adopt(socket.socket(fileno=fd))   # type: ignore[misc]
-                loop.call_soon_threadsafe(self._took)
-            else:
-                self._answer_or_wait(fd, now + self.HEAD_WAIT_S)
-
-    def _took(self) -> None:
-        """On the loop: it has taken a handed-back connection (runs right after its ``adopt``);
-        the gate admits its first request (``CpuGate.admit(fresh=True)``)."""
-        self.taken += 1
-        self.rt.gate.took_handed(time.monotonic())
 
     def _take(self, lst: socket.socket, now: float) -> bool:
         fd = heldsock.accept(lst.fileno())   # (GIL held: see numaserve.net.heldsock)

@@ -89,11 +89,6 @@ def test_a_blocking_app_at_twice_its_capacity_gets_503s_and_keeps_serving() -> N
         assert res.errors["timeout"] <= 0.05 * sent, res.to_dict()
         g = gates(sup)
         assert sum(sum(x.get("shed", {}).values()) for x in g) > 0, g
-        # who answered: the sentinels, from the accept queues while the handlers blocked, and they
-        # handed connections back to their loops too (CpuGate.stall_keep), not only refused them
-        sentinels = [x.get("sentinel") or {} for x in g]
-        assert sum(s.get("shed", 0) for s in sentinels) > 0, g
-        assert sum(s.get("kept", 0) for s in sentinels) > 0, g
 
     # 503s carry Retry-After and close the connection (checked on one answer, when there is one)
     with Running(ARGS) as sup:

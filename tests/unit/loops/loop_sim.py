@@ -19,12 +19,9 @@ on one CPU, and its traffic is not only CPU work.  This model:
   ``close_when_overloaded`` a request sent while the worker is shedding
   comes on a new connection (its previous answer said ``Connection: close``).
 * **the sentinel**: while the loop is inside one long step it wakes every
-  1 ms, waits ``U(0, gil_s)`` for the GIL, asks ``gate.stall_keep`` how many
-  new connections the loop will still admit, accepts every queued one, hands
-  the oldest of them back to the loop (read in its next I/O phase) and
-  answers the others (each costing ``shed_cpu_s`` of the loop's CPU).  With
-  ``handback = False`` (a sentinel without the loop's hand-back) it answers
-  the oldest ``gate.stall_excess`` and leaves the rest in the accept queue.
+  1 ms, waits ``U(0, gil_s)`` for the GIL, asks ``gate.stall_excess`` and
+  answers that many of the oldest queued connections (each costing
+  ``shed_cpu_s`` of the loop's CPU).
 * **clients** give up after ``timeout_s``; a request whose client left is
   skipped when the loop reads it (``gone`` in the result), one already
   running is finished (its CPU is "wasted").
@@ -85,7 +82,6 @@ class LoopSimConfig:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     gate: bool = True             # False: admit everything (the peers)
     sentinel: bool = True
-    handback: bool = True
     gil_s: float = 0.005          # sys.getswitchinterval()
     shed_cpu_s: float = 0.00005
     reject_cpu_s: float = 0.00005
@@ -154,7 +150,6 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
     arrivals.sort()
     ai = 0
     accept_q: deque[_Req] = deque()
-    handed: deque[_Req] = deque()     # accepted by the sentinel, given back to the loop
     buffers: deque[_Req] = deque()
     ready: deque[_Req] = deque()
     timers: list[tuple[float, int, object]] = []   # (due, seq, req or "probe")
@@ -231,8 +226,8 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
             t0 = now
             end = now + cpu
             if cfg.sentinel and cfg.gate and cfg.admission.sentinel and cpu > 0.001:
-                end = _sentinel_during(cfg, gate, rng, accept_q, handed, take_arrivals, t0, end, beat,
-                                       answer_shed, counter := [0])
+                end = _sentinel_during(cfg, gate, rng, accept_q, take_arrivals, t0, end, beat, answer_shed,
+                                       counter := [0])
                 sentinel_sheds += counter[0]
             now = end
             r.cpu += cpu
@@ -250,8 +245,7 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
                 arm(now + wait, r)
         # 3. I/O phase
         take_arrivals(now)
-        incoming = list(handed) + list(accept_q) + list(buffers)
-        handed.clear()
+        incoming = list(accept_q) + list(buffers)
         accept_q.clear()
         buffers.clear()
         for r in incoming:
@@ -285,8 +279,8 @@ def simulate_loop(cfg: LoopSimConfig) -> LoopSimResult:
                          busy_s=busy, length_s=m1 - m0, lags=lags)
 
 
-def _sentinel_during(cfg: LoopSimConfig, gate: CpuGate, rng: random.Random, accept_q: deque, handed: deque,
-                     take_arrivals, t0: float, end: float, beat: float, answer_shed, counter: list[int]) -> float:
+def _sentinel_during(cfg: LoopSimConfig, gate: CpuGate, rng: random.Random, accept_q: deque, take_arrivals,
+                     t0: float, end: float, beat: float, answer_shed, counter: list[int]) -> float:
     """The sentinel thread while the loop runs one step from t0 to end; returns the (extended) end."""
     t = t0 + 0.001
     period = gate.probe_delay()
@@ -295,27 +289,13 @@ def _sentinel_during(cfg: LoopSimConfig, gate: CpuGate, rng: random.Random, acce
         if tg >= end:
             break
         take_arrivals(tg)
-        if cfg.handback:
-            keep = gate.stall_keep(tg, tg - beat - period, len(handed))
-            n = 0
-            while keep is not None and accept_q:
-                r = accept_q.popleft()
-                if keep > 0:
-                    handed.append(r)
-                    keep -= 1
-                    continue
-                n += 1
-                end += cfg.shed_cpu_s
-                tg += cfg.shed_cpu_s
-                answer_shed(r, tg)
-        else:
-            n = gate.stall_excess(tg, tg - beat - period, len(accept_q))
-            for _ in range(n):
-                r = accept_q.popleft()
-                end += cfg.shed_cpu_s
-                tg += cfg.shed_cpu_s
-                answer_shed(r, tg)
-        counter[0] += n
+        n = gate.stall_excess(tg, tg - beat - period, len(accept_q))
+        for _ in range(n):
+            r = accept_q.popleft()
+            end += cfg.shed_cpu_s
+            tg += cfg.shed_cpu_s
+            answer_shed(r, tg)
+            counter[0] += 1
         if n:
             gate.record_stall_shed(tg, n)
         t = tg + 0.001

@@ -10,7 +10,7 @@ import pytest
 
 from numaserve.loops.admission import AdmissionSettings, Admit, Reject
 from numaserve.loops.checks import SettingError
-from numaserve.loops.cpu_gate import CpuGate, CpuPermit
+from numaserve.loops.cpu_gate import CpuGate
 from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
 
@@ -208,9 +208,7 @@ def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
     assert g.stall_excess(0.0, 1.0, 10) == 0          # nothing in flight: the loop is idle, not stalled
     g.try_admit(0.0)
     assert g.stall_excess(0.01, 0.01, 10) == 0        # quiet worker: one 10 ms call is no stall
-    assert g.stall_keep(0.01, 0.01) is None
-    assert g.stall_excess(0.06, 0.06, 10) == 8        # 60 ms, a burst: 2 x 20 ms fit in the 40 ms left
-    assert g.stall_excess(0.2, 0.2, 10) == 9          # 200 ms: leave stall_queue for the loop
+    assert g.stall_excess(0.06, 0.06, 10) == 9        # 60 ms: leave one for the loop
     t = busy_for(g, 0.1, 2.0)
     assert g.overloaded(t)
     g.request_cpu_s = 0.05                            # long calls: only stall_queue stays
@@ -219,27 +217,19 @@ def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
     assert g.snapshot(t).shed["stall"] == 3
 
 
-def test_stall_keep_is_what_the_loop_will_admit_when_it_is_back() -> None:
-    """Behind a short blocking handler the kept connections fit overload_wait_s: a closed loop of 8
-    clients of a 5 ms endpoint is served, not shed; behind one 20 ms call 1 stays, behind two or a
-    connection already handed back none; a long stall keeps stall_queue."""
+def test_stall_excess_keeps_what_the_loop_would_admit() -> None:
+    """Behind a short blocking handler the queue fits overload_wait_s: a closed loop of 8 clients
+    of a 5 ms endpoint is served, not shed; behind a 20 ms one 2 stay; a long stall keeps stall_queue."""
     g = gate(stall_queue=1, stall_after_s=0.002, overload_wait_s=0.04)
     g.try_admit(0.0)
     t = busy_for(g, 0.1, 2.0)
     assert g.overloaded(t)
     g.request_cpu_s = 0.005
-    assert g.stall_keep(t, 0.003) == 7                # 40 - 3 (stalled) - 2 (left of the call) = 35 ms
-    assert g.stall_excess(t, 0.003, 7) == 0 and g.stall_excess(t, 0.003, 12) == 12 - 7
-    assert g.stall_keep(t, 0.003, handed=3) == 4      # three already given to the loop
+    assert g.stall_excess(t, 0.003, 7) == 0           # 7 x 5 ms fits in the 37 ms left
+    assert g.stall_excess(t, 0.003, 12) == 12 - 8     # ceil(37 / 5) = 8 stay
     g.request_cpu_s = 0.02
-    assert g.stall_keep(t, 0.003) == 1                # 40 - 3 - 17 = 20 ms: one more call
-    assert g.stall_keep(t, 0.003, handed=1) == 0      # ... and that one is handed back already
-    assert g.stall_keep(t, 0.05) == 1                 # past overload_wait_s: stall_queue only
-    assert g.stall_keep(t, 0.05, handed=1) == 0
-    g.try_admit(t)
-    g.try_admit(t)                                    # 3 in flight: 60 ms queued, the loop has work
-    assert g.inflight == 3 and g.stall_keep(t, 0.003) == 0
-    assert g.stall_keep(t, 0.001) is None             # not stalled: everything is the loop's
+    assert g.stall_excess(t, 0.003, 6) == 6 - 2       # ceil(37 / 20) = 2 stay
+    assert g.stall_excess(t, 0.05, 6) == 6 - 1        # past overload_wait_s: stall_queue only
 
 
 def test_probe_period_short_while_busy_long_while_idle() -> None:
@@ -321,21 +311,3 @@ def test_a_floor_above_its_ceiling_names_the_floor(struct: type, low: str, high:
     with pytest.raises(SettingError) as e:
         struct(**{low: above})
     assert e.value.key == low and high in e.value.expected
-
-
-def test_a_handed_back_connection_is_admitted_and_counts_until_it_is() -> None:
-    """The sentinel counted a handed-back connection against the bound: the loop admits its first
-    request even though the gate would refuse a new one now, and only one per hand-back."""
-    g = gate(stall_queue=1, stall_after_s=0.002, overload_wait_s=0.04)
-    t = busy_for(g, 0.1, 2.0)
-    assert g.overloaded(t)
-    busy = (3, 0)                                     # three ready to run: the gate refuses
-    assert isinstance(g.admit(t, runnable=busy, fresh=True), Reject)
-    g.took_handed(t)
-    assert isinstance(g.admit(t, runnable=busy), Reject)          # a keep-alive request: refused
-    assert isinstance(g.admit(t, runnable=busy, fresh=True), CpuPermit)   # the handed one: admitted
-    assert g.handed == 0 and isinstance(g.admit(t, runnable=busy, fresh=True), Reject)
-    g.took_handed(t)                                  # a connection that never sends a request
-    assert g.handed == 1
-    g.admit(t + 1.5, runnable=busy)                   # expires after HANDED_TTL_S
-    assert g.handed == 0
