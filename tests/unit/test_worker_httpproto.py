@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
+
+from worker_serving import start_serving
 
 from numaserve.framing import FramingConfig
 from numaserve.loops.admission import AdmissionSettings
@@ -81,14 +82,8 @@ async def serving(**kw: Any) -> AsyncIterator[tuple[Stack, WorkerStats, tuple[st
     if stack.runtime is not None:
         SEEN["gate"] = stack.runtime.gate
     server = WorkerServer(stack.config)
-    sock = socket.socket(fileno=os.dup(lst.fileno()))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    task = await start_serving(server, lst)
     try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
         yield stack, stats, lst.getsockname()
     finally:
         if stack.runtime is not None:

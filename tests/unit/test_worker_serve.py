@@ -11,11 +11,16 @@ import socket
 from typing import Any, AsyncIterator
 
 import pytest
-
-from numaserve.framing import FramingConfig
+from worker_serving import start_serving
 
 from numaserve.apps.demo import app as demo_app
-from numaserve.worker.serve import WorkerServer, build_config, loop_factory, open_listener
+from numaserve.framing import FramingConfig
+from numaserve.worker.serve import (
+    WorkerServer,
+    build_config,
+    loop_factory,
+    open_listener,
+)
 from numaserve.worker.spec import WorkerSpec, flat_spec
 
 
@@ -102,14 +107,8 @@ async def serving(app: Any = demo_app, ws: str = "auto",
     config = build_config(spec, app)
     config.ws = ws
     server = WorkerServer(config, on_started=lambda: started.append(1))
-    sock = socket.socket(fileno=os.dup(lst.fileno()))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    task = await start_serving(server, lst)
     try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
         yield server, lst, started
     finally:
         server.should_exit = True

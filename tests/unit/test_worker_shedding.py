@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import threading
 import time
@@ -12,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from worker_serving import start_serving
 
 from numaserve.framing import FramingConfig
 from numaserve.loops.admission import AdmissionSettings
@@ -58,14 +58,8 @@ async def serving(settings: AdmissionSettings) -> AsyncIterator[tuple[AdmissionR
                       control="ipc:///nonexistent", framing=FramingConfig(enabled=False), admission=settings)
     rt = AdmissionRuntime(settings)
     server = WorkerServer(build_config(spec, CpuAdmissionMiddleware(app, rt), admission=rt))
-    sock = socket.socket(fileno=os.dup(lst.fileno()))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    task = await start_serving(server, lst)
     try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
         yield rt, lst, server
     finally:
         rt.stop_sentinel()
