@@ -918,6 +918,10 @@ class Supervisor:
         }
 
     def status(self) -> dict[str, Any]:
+        # what workers (and anyone else) sent is read first: while every slot is settled the channel
+        # leaves messages queued until the next tick (``WorkerChannel.hold``), and a status is a snapshot
+        # of now (heartbeat ages, counters, bad_messages), not of the last tick
+        self.channel.drain(self)
         now = time.monotonic()
         return {
             "supervisor": {
