@@ -37,6 +37,9 @@ log = structlog.get_logger("numaserve.supervisor")
 #: a burst (32 Acks of one command, one interval's heartbeats) costs one pass,
 #: not 32, and the supervision loop still runs between batches.
 RECV_BATCH = 256
+#: ``drain`` reads at most this many batches: everything a status or an exit check needs, and a
+#: peer flooding the socket still cannot keep the loop from its other work.
+DRAIN_BATCHES = 16
 
 #: After a batch, while no command waits for its Acks, the channel lets the
 #: socket fill for this long before it reads again: workers beat on a shared
@@ -176,9 +179,14 @@ class WorkerChannel:
         """
         if self.sock is None:
             return 0
-        n = self._read_queued(handler)
+        n = 0
+        for _ in range(DRAIN_BATCHES):   # a full batch means more may be queued; a flood cannot hold the loop
+            got = self._read_queued(handler)
+            n += got
+            if got < RECV_BATCH:
+                break
         if n:
-            self._recheck()      # more may be queued (a full batch), and these reads took the fd's edge
+            self._recheck()      # these reads took the fd's edge: a waiting ``serve`` must look again
         return n
 
     def resolve(self, ack: m.Ack) -> None:
