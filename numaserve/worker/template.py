@@ -46,7 +46,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "lower_priority",
     "main",
     "recv_msg",
+    "replace_environ",
     "run_template",
     "set_comm",
     "send_msg",
@@ -578,8 +579,7 @@ def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env
         await_reparent(reaper)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(env)
+        replace_environ(env)
         import msgspec
 
         from numaserve.worker.main import run_worker
@@ -598,6 +598,23 @@ def _worker_child(chan: socket.socket, spec_obj: dict[str, Any], token: str, env
         code = 1
     finally:
         child_exit(code)
+
+
+def replace_environ(env: Mapping[str, str], environ: MutableMapping[str, str] | None = None) -> None:
+    """Make ``environ`` (``os.environ``) exactly ``env``, changing only the variables that differ.
+
+    Why not ``clear()`` + ``update()``: in a forked child that frees every inherited
+    key and value and allocates them again, and each free writes to the page the
+    object sits on, a page shared with the template until then: ~0.3 MB more
+    private memory in every forked worker (``/proc/PID/smaps_rollup``), for an
+    environment that is mostly the same as the template's.
+    """
+    target = os.environ if environ is None else environ
+    for key in [k for k in target if k not in env]:
+        del target[key]
+    for key, value in env.items():
+        if target.get(key) != value:
+            target[key] = value
 
 
 def child_exit(code: int) -> NoReturn:

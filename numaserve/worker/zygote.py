@@ -48,6 +48,7 @@ from numaserve.worker.template import (
     child_exit,
     current_threads,
     double_fork,
+    replace_environ,
     run_template,
     send_msg,
     set_comm,
@@ -137,8 +138,7 @@ def _template_child(chan: socket.socket, spec_obj: dict[str, Any], env: dict[str
         await_reparent(reaper)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(env)
+        replace_environ(env)
         if cwd:
             os.chdir(cwd)
         spec = TemplateSpec(**dict(spec_obj, control_fd=fd))

@@ -407,3 +407,55 @@ def test_zygote_trims_its_heap_after_its_imports_and_before_it_says_ready(monkey
     finally:
         a.close()
         b.close()
+
+
+class _Recording(dict):  # type: ignore[type-arg]
+    """A mapping that records what was written to it and deleted from it."""
+
+    def __init__(self, *a: object) -> None:
+        super().__init__(*a)
+        self.writes: list[str] = []
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self.writes.append(f"set {key}")
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.writes.append(f"del {key}")
+        super().__delitem__(key)
+
+
+def test_replace_environ_writes_only_what_differs() -> None:
+    env = _Recording({"KEEP": "1", "CHANGE": "old", "DROP": "x"})
+    T.replace_environ({"KEEP": "1", "CHANGE": "new", "ADD": "a"}, env)
+    assert dict(env) == {"KEEP": "1", "CHANGE": "new", "ADD": "a"}
+    assert sorted(env.writes) == ["del DROP", "set ADD", "set CHANGE"]  # KEEP untouched
+
+
+def test_replace_environ_reaches_the_c_environment_of_a_forked_child() -> None:
+    """In a real forked child (as a forked worker does it): os.environ and what an exec'd child sees."""
+    os.environ["NS_TEST_DROP"] = "gone"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(r)
+            target = {k: v for k, v in os.environ.items() if k != "NS_TEST_DROP"}
+            target["NS_TEST_ADD"] = "here"
+            T.replace_environ(target)
+            out = subprocess.run(["env"], capture_output=True, text=True, check=True).stdout
+            ok = ("NS_TEST_ADD=here" in out and "NS_TEST_DROP" not in out
+                  and dict(os.environ) == target)
+            os.write(w, b"ok" if ok else out.encode()[:2000])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        got = os.read(r, 4096)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+        os.environ.pop("NS_TEST_DROP", None)
+    assert got == b"ok", got
