@@ -246,6 +246,7 @@ class CpuGate:
         self.pushed = PushedLimits(settings.burst_fraction, now)
         self._throughput = _Rate(settings.throughput_tau_s, now)
         self.inflight = 0
+        self.waiting = 0       # requests waiting for CPU at the last short-of-CPU decision, less those done since
         self._max_inflight = 0
         self._last_shed = -math.inf
         self._overloaded = False
@@ -341,6 +342,11 @@ class CpuGate:
         """Sustained overload: the loop has been busy without pause (``busy_threshold``) for a window."""
         return self._overloaded
 
+    @property
+    def last_shed(self) -> float:
+        """When a request was last shed (by the gate or a sentinel); -inf: never."""
+        return self._last_shed
+
     def shedding(self, now: float) -> bool:
         """A request was shed within ``overload_hold_s`` (by the gate or a sentinel)."""
         return now - self._last_shed <= self.s.overload_hold_s
@@ -393,6 +399,7 @@ class CpuGate:
                 refuse = started >= self.s.cpu_burst or waiting * self.request_cpu_s >= self.s.burst_wait_s
                 if refuse:
                     self._maybe_start_overload(now)
+            self.waiting = waiting if refuse else waiting + 1
             if refuse:
                 return self._reject(now, 503, "cpu", retry_after=self._overload_retry(now))
         n = self.inflight = self.inflight + 1
@@ -431,6 +438,8 @@ class CpuGate:
         permit.released = True
         if self.inflight > 0:
             self.inflight -= 1
+        if self.waiting > 0:
+            self.waiting -= 1
         c = self._c
         c["completed"] += 1
         c[_OUTCOME_COUNTER[outcome or permit.outcome]] += 1

@@ -44,7 +44,7 @@ def _checked_tls(tls: TlsConfig) -> TlsConfig:
 
 
 def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Listener], control: str,
-                node_cpus: Iterable[int] = ()) -> WorkerSpec:
+                node_cpus: Iterable[int] = (), gate_page: str = "") -> WorkerSpec:
     s = cfg.server
     return WorkerSpec(
         node_cpus=sorted(node_cpus),
@@ -62,6 +62,7 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         heartbeat_interval=cfg.supervisor.heartbeat_interval,
         stats_interval=1.0,
         admission=cfg.admission,
+        gate_page=gate_page,
         gradient=cfg.gradient,
         framing=_section(cfg, "framing", FramingConfig),
         cache=_section(cfg, "cache", CacheConfig),
@@ -180,6 +181,7 @@ def spawn(
     node_cpus: Iterable[int] = (),
     token: str | None = None,
     forker: Callable[..., WorkerProcess | None] | None = None,
+    gate_page: str = "",
 ) -> tuple[WorkerProcess, bool, dict[str, str]]:
     """Start the slot's worker; returns (process, external?, variables numaserve set).
 
@@ -197,7 +199,7 @@ def spawn(
         spec = None
         external = True
     else:
-        spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus)
+        spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus, gate_page)
         argv = [sys.executable, "-m", "numaserve.worker"]
         external = False
     launch = build_launch_argv(

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.harness import REPO, Running
+from tests.integration.harness import FAST_CONFIG, REPO, Running
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +138,42 @@ def test_ratelimit_set_is_acknowledged_by_every_worker_and_caps_requests_in_flig
         assert sup.ops("ratelimit", "auto").returncode == 0
         statuses = asyncio.run(main())
         assert statuses == [200] * 20, (statuses, gates(sup))         # back to the CPU limiter: awaits pass
+
+
+def test_the_supervisor_answers_an_overloaded_workers_queue_and_hands_frames_back() -> None:
+    """``supervisor_shed = true``, a blocking app at twice its capacity: the supervisor's door
+    (numaserve.supervisor.doorshed) answers some of the 503s itself, and framed connections that arrive meanwhile all get their reply (handed
+    back to the worker, never answered as HTTP or dropped)."""
+    pytest.importorskip("fastapi")
+    import threading
+
+    import numaserve.tools.loadtest as lt
+    from numaserve.client import FrameClient
+
+    with Running(ARGS, config=FAST_CONFIG + "[admission]\nsupervisor_shed = true\n") as sup:
+        url = f"http://127.0.0.1:{sup.port}/cpu20"
+        cap_run = lt.run_load(lt.LoadConfig(url, concurrency=4, duration=2.0, timeout=10.0))
+        capacity = cap_run.requests / cap_run.duration_s
+        assert capacity > 5
+        out: dict[str, lt.LoadResult] = {}
+        load = threading.Thread(target=lambda: out.setdefault("r", lt.run_load(
+            lt.LoadConfig(url, rate=2 * capacity, duration=6.0, timeout=5.0, connections=500))))
+        load.start()
+        frames: list[int] = []
+        time.sleep(2.5)     # the gate is overloaded by now
+        while load.is_alive() and len(frames) < 40:
+            with FrameClient("127.0.0.1", sup.port, timeout=10) as fc:
+                frames.append(fc.request("GET", "/").status)
+        load.join()
+        res = out["r"]
+        assert set(res.status_counts) <= {200, 503}, res.status_counts
+        assert frames and set(frames) <= {200, 503}, frames
+        door = sup.status()["supervisor"]["queue_shed"]
+        assert door is not None and sorted(door["targets"]) == [0, 1], door
+        assert sum(door["shed"].values()) > 0, (door, res.to_dict())
+        metrics = httpx.get(f"http://{sup.status()['supervisor']['admin']}/metrics", timeout=10).text
+        assert "numaserve_supervisor_shed_requests_total" in metrics
+    # the default: no door, no pages, no thread
+    with Running(ARGS) as sup:
+        assert sup.status()["supervisor"]["queue_shed"] is None
+        assert not list(sup.rt.glob("gate-*"))
