@@ -50,7 +50,7 @@ IDLE_CHECK_S = 0.05
 KEEP_POLL_S = 0.001
 #: ... doubling up to this while those connections needed nothing from us (each look costs ~0.1 ms).
 KEEP_POLL_MAX_S = 0.008
-#: A shed connection whose head has not arrived is answered after this long anyway.
+#: A connection whose first byte has not arrived after this long goes back to its worker, unanswered.
 HEAD_WAIT_S = 0.05
 LINGER_S = 1.0
 LINGER_READS = 4
@@ -188,7 +188,10 @@ class DoorShedder(threading.Thread):
             if time.monotonic() < deadline:
                 self._pending.append((fd, deadline, slot))
                 return
-            first = b"G"   # nothing yet: answer anyway, the client is connected
+            # nothing sent yet: it may be a frame client, which an HTTP 503 would break; the worker
+            # reads whatever it turns out to be (as it would have without the door)
+            self._hand_back(fd, slot)
+            return
         elif n <= 0:       # the client left (or an error): nothing to answer
             heldsock.close(fd)
             return

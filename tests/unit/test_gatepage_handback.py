@@ -95,3 +95,61 @@ def test_handback_replaces_a_dead_workers_socket_file_and_fails_cleanly_on_a_bad
             send_fd(path, 0)
 
     asyncio.run(main())
+
+
+def test_the_door_answers_http_with_503_and_hands_silent_or_framed_connections_back(tmp_path: Path) -> None:
+    """DoorShedder's per-connection step on real sockets: an HTTP head gets the 503; a frame, or a
+    connection that has sent nothing by the head deadline, reaches the worker's hand-back unanswered."""
+    import time
+
+    from numaserve.loops.admission import AdmissionSettings
+    from numaserve.net import heldsock
+    from numaserve.supervisor.doorshed import DoorShedder, DoorTarget
+
+    if not heldsock.AVAILABLE:
+        pytest.skip("no libc")
+    page_path = str(tmp_path / "gate-0.page")
+    create_page(page_path)
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.setblocking(False)
+    adopted: list[socket.socket] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        hb = HandBack(adopted.append)
+        assert hb.open(loop, handback_path(page_path))
+        d = DoorShedder(AdmissionSettings())
+        d.set_targets({0: DoorTarget(0, os.getpid(), (srv,), GatePage(page_path), lambda: True)})
+        http_c = socket.create_connection(srv.getsockname())
+        http_c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        frame_c = socket.create_connection(srv.getsockname())
+        frame_c.sendall(b"\x00\x00\x00\x02{}")
+        silent_c = socket.create_connection(srv.getsockname())
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            assert d._take(d.targets[0], srv, time.monotonic())
+        await asyncio.sleep(0.1)
+        d._service(time.monotonic())       # the silent one's deadline has passed: handed back
+        for _ in range(100):
+            if len(adopted) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert d.shed == {0: 1} and d.handed_back == 2 and len(adopted) == 2
+        http_c.settimeout(5)
+        assert http_c.recv(4096).startswith(b"HTTP/1.1 503")
+        def peek(s: socket.socket) -> bytes:
+            try:
+                return s.recv(6, socket.MSG_PEEK)
+            except BlockingIOError:
+                return b""      # the silent one: nothing sent, nothing answered
+
+        first = {peek(s) for s in adopted}
+        assert first == {b"\x00\x00\x00\x02{}", b""}
+        assert b"\x00\x00\x00\x02{}" in first       # the frame reached the worker untouched
+        for s in (http_c, frame_c, silent_c, *adopted):
+            s.close()
+        d._service(time.monotonic() + 5)   # lingering fds closed
+        hb.close(loop)
+
+    asyncio.run(main())
+    srv.close()
