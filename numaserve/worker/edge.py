@@ -51,7 +51,6 @@ from numaserve.worker.shedding import (
     CONN_KEY,
     PERMIT_KEY,
     request_deadline,
-    runnable_tasks,
 )
 from numaserve.worker.stats import WorkerStats
 
@@ -308,7 +307,7 @@ class Edge:
             permit = scope.pop(PERMIT_KEY, None)
             if permit is None:  # not decided at the protocol (frames, h11)
                 d = gate.admit(now, request_deadline(scope["headers"], now, self.default_timeout_s),
-                               runnable_tasks)
+                               cpu.runnable)
                 if type(d) is not CpuPermit:
                     self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
                     # no Connection: close: on a frame connection it would end every request

@@ -381,7 +381,6 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
     default_timeout = rt.s.request_timeout_s if rt is not None else 0.0
     if rt is not None:
         from numaserve.loops.cpu_gate import CpuPermit
-        from numaserve.worker import shedding
         from numaserve.worker.shedding import (
             TCP_ESTABLISHED,
             reject_response,
@@ -634,7 +633,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 deadline = request_deadline(self.headers, arrived, default_timeout)
             else:
                 deadline = arrived + default_timeout if default_timeout > 0 else None
-            d = gate.admit(now, deadline, shedding.runnable_tasks)   # (looked up here: tests replace it)
+            d = gate.admit(now, deadline, rt.runnable)
             if type(d) is not CpuPermit:
                 self._ns_reject = d
                 raise _Stop

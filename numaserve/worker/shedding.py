@@ -63,6 +63,7 @@ __all__ = [
     "PERMIT_KEY",
     "AdmissionRuntime",
     "LoopProbe",
+    "RunnableCount",
     "Sentinel",
     "overload_response",
     "tcp_wait_and_state",
@@ -81,6 +82,8 @@ _LAST_DATA_RECV = struct.Struct("I")   # u32 at offset 52: ms since the last dat
 LATE_S = 0.002
 #: CPU (thread vs process) is sampled at most this often.
 CPU_SAMPLE_S = 0.05
+#: The gate's count of runnable tasks is taken again at most this often (``RunnableCount``).
+RUNNABLE_REFRESH_S = 0.001
 
 
 def tcp_wait_and_state(sock: Any) -> tuple[float, int] | None:
@@ -198,6 +201,42 @@ def runnable_tasks() -> tuple[int, int]:
     return started, new
 
 
+class RunnableCount:
+    """``runnable_tasks()`` for the gate, counted again at most every ``RUNNABLE_REFRESH_S``.
+
+    The gate asks for the count on every admission while the loop is short of
+    CPU, and a count walks every task of the loop (``asyncio.all_tasks()``,
+    ~0.45 µs per task: 9 µs with 20 tasks).  The heads of one loop
+    iteration's reads are parsed back to back, well inside a millisecond,
+    so one count serves them all: the requests admitted since the count are
+    added to it as tasks not started yet.  What the loop ran in between (at
+    most ``RUNNABLE_REFRESH_S`` of it) is the count's error, small beside
+    the work the gate weighs (``burst_wait_s``, ``overload_wait_s``).
+    Measured live on an SSE stream at full CPU: 0.1 µs per chunk of 8.7.
+    """
+
+    __slots__ = ("added", "at", "clock", "count", "new", "started")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 count: Callable[[], tuple[int, int]] | None = None) -> None:
+        self.clock = clock
+        self.count = count      # None: this module's ``runnable_tasks`` (looked up per count: tests replace it)
+        self.at = -math.inf
+        self.started = self.new = self.added = 0
+
+    def __call__(self) -> tuple[int, int]:
+        now = self.clock()
+        if now - self.at >= RUNNABLE_REFRESH_S:
+            self.started, self.new = (self.count or runnable_tasks)()
+            self.at = now
+            self.added = 0
+        return self.started, self.new + self.added
+
+    def admitted(self) -> None:
+        """A request was admitted since the count: one more task not started yet."""
+        self.added += 1
+
+
 class AdmissionRuntime:
     """One worker's "cpu" limiter: the gate, its probe, its sentinel and the delay histogram."""
 
@@ -210,6 +249,7 @@ class AdmissionRuntime:
         self.delay_hist = LatencyHistogram()   # per admitted request: arrival -> start, ms
         self.edge_rejected: dict[int, int] = {}
         self.busy = threading.Event()          # set while requests are in flight (wakes the sentinel)
+        self.runnable = RunnableCount(clock)   # what the gate asks for when short of CPU
 
     # --- used by the protocol and the middleware ------------------------------------------
 
@@ -219,6 +259,7 @@ class AdmissionRuntime:
     def admitted(self) -> None:
         """A request was admitted (the gate already chose the probe's period): arm a stopped
         probe and wake the sentinel."""
+        self.runnable.added += 1
         probe = self.probe
         if probe._handle is None:   # stopped while idle: arm it
             probe.kick()

@@ -20,6 +20,8 @@ from numaserve.worker.serve import WorkerServer, build_config
 from numaserve.worker.shedding import (
     AdmissionRuntime,
     overload_response,
+    RUNNABLE_REFRESH_S,
+    RunnableCount,
     runnable_tasks,
     tcp_wait_and_state,
 )
@@ -115,6 +117,36 @@ def test_runnable_tasks_counts_ready_tasks_not_awaiting_ones() -> None:
     assert asyncio.run(main()) == (3, 1)
 
 
+def test_the_runnable_count_is_reused_within_its_refresh_and_adds_admissions() -> None:
+    counts = iter([(3, 1), (0, 0)])
+    calls = []
+    now = [10.0]
+
+    def count() -> tuple[int, int]:
+        calls.append(now[0])
+        return next(counts)
+
+    rc = RunnableCount(clock=lambda: now[0], count=count)
+    assert rc() == (3, 1)
+    rc.admitted()
+    rc.admitted()
+    now[0] += RUNNABLE_REFRESH_S / 2
+    assert rc() == (3, 3) and len(calls) == 1        # the same burst of heads: no second walk
+    now[0] += RUNNABLE_REFRESH_S
+    assert rc() == (0, 0) and len(calls) == 2        # counted again; the admissions were in that count
+
+
+def test_admission_feeds_the_runnable_count() -> None:
+    async def main() -> None:
+        rt = AdmissionRuntime(AdmissionSettings(sentinel=False))
+        rt.runnable = RunnableCount(clock=lambda: 5.0, count=lambda: (1, 0))
+        assert rt.runnable() == (1, 0)
+        rt.admitted()
+        assert rt.runnable() == (1, 1)
+        rt.probe.stop()
+    asyncio.run(main())
+
+
 def test_admitted_requests_release_their_permit_and_are_counted() -> None:
     async def main() -> None:
         async with serving(AdmissionSettings()) as (rt, lst, _):
@@ -135,14 +167,9 @@ def test_the_protocol_refuses_with_503_retry_after_and_close_when_short_of_cpu()
             rt.gate.on_lag(time.monotonic(), 0.5)
             rt.gate._overloaded = True
             rt.gate.request_cpu_s = 0.02
-            import numaserve.worker.shedding as sh
-
-            orig = sh.runnable_tasks
-            sh.runnable_tasks = lambda: (2, 0)  # type: ignore[assignment]
-            try:
-                out = await asyncio.to_thread(get, port, "/x")
-            finally:
-                sh.runnable_tasks = orig  # type: ignore[assignment]
+            rt.runnable = RunnableCount(count=lambda: (2, 0))
+            out = await asyncio.to_thread(get, port, "/x")
+            rt.runnable = RunnableCount()
             head = out.split(b"\r\n\r\n")[0].lower()
             assert out.startswith(b"HTTP/1.1 503") and b"retry-after:" in head and b"connection: close" in head
             snap = rt.snapshot()
