@@ -221,7 +221,7 @@ class RunnableCount:
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  count: Callable[[], tuple[int, int]] | None = None) -> None:
         self.clock = clock
-        self.count = count      # None: this module's ``runnable_tasks`` (looked up per count: tests replace it)
+        self.count = count      # None: this module's ``runnable_tasks``
         self.at = -math.inf
         self.started = self.new = self.added = 0
 
