@@ -59,6 +59,7 @@ from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lbgrace import ProbeClock
 from numaserve.supervisor.leakwatch import LeakWatch
+from numaserve.supervisor.agerecycle import AgeRecycle
 from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-exported)
     EXIT_ERROR,
     EXIT_FORCED,
@@ -147,6 +148,7 @@ class Supervisor:
         self.limits = LimitsManager(self)
         self.templates = TemplateManager(self)            # per-node warm templates ([worker] start = "fork")
         self.leakwatch = LeakWatch(self, self.operations)
+        self.agerecycle = AgeRecycle(self, self.operations)   # worker.max_requests / max_lifetime
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
@@ -384,6 +386,7 @@ class Supervisor:
         if now - self._last_mem >= 0.9:   # once a second (settled ticks are 1 s apart, give or take)
             self._last_mem = now
             self.leakwatch.tick(now)
+            self.agerecycle.tick(now)
             if self.fdwatch is not None:
                 self.fdwatch.tick()
 

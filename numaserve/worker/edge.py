@@ -525,6 +525,10 @@ def build_stack(spec: Any, app: ASGIApp, stats: WorkerStats, lifespan: LifespanR
         from numaserve.worker.cache import CacheMiddleware
 
         app = CacheMiddleware(app, cache)
+    if spec.access_log:   # one line per request once it ended, with its duration (server.access_log_format)
+        from numaserve.accesslog import AccessLogMiddleware
+
+        app = AccessLogMiddleware(app, spec.server.access_log_format)
     runtime = gate = None
     adm = spec.admission
     if adm.enabled and adm.limiter == "cpu":
