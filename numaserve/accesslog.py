@@ -2,8 +2,9 @@
 
 uvicorn's own access line is written when the response *starts*, so it can
 carry neither the duration nor the size; this middleware writes one line when
-the response has ended (or the app failed), through the ``uvicorn.access``
-logger, so it comes out in the process's log format (a JSON object with the
+the response has ended (or the app failed), through the ``numaserve.access``
+logger (uvicorn silences ``uvicorn.access`` when its own line is off), so it
+comes out in the process's log format (a JSON object with the
 line as ``event`` under ``log.format = "json"``) at level info.
 
 Fields (``server.access_log_format``; the same letters as gunicorn's):
@@ -130,7 +131,7 @@ class AccessLogMiddleware:
     def __init__(self, app: ASGIApp, fmt: str = "", logger: logging.Logger | None = None) -> None:
         self.app = app
         self.render = compile_format(fmt or DEFAULT_FORMAT)
-        self.logger = logger or logging.getLogger("uvicorn.access")
+        self.logger = logger or logging.getLogger("numaserve.access")
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.logger.isEnabledFor(logging.INFO):
