@@ -73,6 +73,8 @@ class ServerConfig(_Section):
     takeover: bool = False
     access_log_format: str = ""
     root_path: str = ""
+    unix_mode: str = "0660"
+    unix_group: str = ""
 
 
 class PlacementConfig(_Section):
@@ -385,11 +387,13 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     if not cfg.server.bind:
         raise bad("server", "bind", cfg.server.bind, "at least one HOST:PORT")
     for b in cfg.server.bind:
+        if b.strip().startswith("unix:"):
+            continue   # checked with the other serving habits (_check_serving_habits)
         try:
             parse_bind(b)
         except ValueError as e:
             why = "" if str(e).startswith("expected HOST:PORT") else f" ({e})"
-            raise bad("server", "bind", b, f"HOST:PORT, [IPV6]:PORT or :PORT{why}") from None
+            raise bad("server", "bind", b, f"HOST:PORT, [IPV6]:PORT, :PORT or unix:/PATH{why}") from None
     if cfg.admin.bind:
         try:
             parse_bind(cfg.admin.bind)
@@ -461,6 +465,22 @@ def _check_serving_habits(cfg: Config, bad: Any) -> None:
     rp = cfg.server.root_path
     if rp and (not rp.startswith("/") or rp.endswith("/") or not rp.isascii() or any(c in rp for c in " ?#")):
         raise bad("server", "root_path", rp, '"" or a path like "/api" (leading /, no trailing /, no query)')
+    from numaserve.net.unixbind import is_unix_bind, parse_mode, resolve_group, unix_path
+
+    for b in cfg.server.bind:
+        if is_unix_bind(b):
+            try:
+                unix_path(b)
+            except ValueError as e:
+                raise bad("server", "bind", b, f"unix:/PATH ({e})") from None
+    try:
+        parse_mode(cfg.server.unix_mode)
+    except ValueError as e:
+        raise bad("server", "unix_mode", cfg.server.unix_mode, str(e)[len("expected "):]) from None
+    try:
+        resolve_group(cfg.server.unix_group)
+    except ValueError as e:
+        raise bad("server", "unix_group", cfg.server.unix_group, f'an existing group name or gid, or "" ({e})') from None
     if cfg.worker.max_requests_jitter and not cfg.worker.max_requests:
         raise bad("worker", "max_requests_jitter", cfg.worker.max_requests_jitter, "worker.max_requests set too")
 

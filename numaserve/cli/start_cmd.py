@@ -28,7 +28,8 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 @config_option
 @click.option("--nodes", default=None, help='NUMA nodes to serve on: "all" or a list like 0,2-3.')
 @click.option("--workers-per-node", default=None, help='Workers per node: N or "auto".')
-@click.option("--bind", "binds", multiple=True, help="HOST:PORT to listen on (repeatable; [::]:PORT for IPv6).")
+@click.option("--bind", "binds", multiple=True,
+              help="HOST:PORT to listen on (repeatable; [::]:PORT for IPv6; unix:/PATH for a unix socket).")
 @click.option("--app", default=None, help="ASGI app as module:attr (default: the embedded demo app).")
 @click.option("--cmd", default=None, help='External server command per slot, e.g. "uvicorn app:app --fd {fd}".')
 @click.option("--app-dir", default=None, help="Directory prepended to sys.path before importing --app.")
@@ -170,6 +171,14 @@ def start(
 
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))
     runtime.refuse_if_held()
+    import socket
+
+    from numaserve.net.unixbind import check_unix_path
+
+    for b in binds:   # a live server on a unix path refuses the start (a stale file is replaced at open)
+        if b.family == socket.AF_UNIX:
+            check_unix_path(b.host)
+    binds = [b for b in binds if b.family != socket.AF_UNIX]
     for warning in check_binds(binds, takeover=cfg.server.takeover):
         structlog.get_logger("numaserve.supervisor").warning("port_shared", detail=warning)
     sup = Supervisor(cfg, plan, runtime, config_path=config_path, topology=topo, overrides=_flag_overrides(ctx, overrides))

@@ -37,6 +37,7 @@ from numaserve.control import messages as m
 from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
 from numaserve.net.listeners import ListenerSet, accept_queue_depth, open_listeners
+from numaserve.net.unixbind import parse_mode, resolve_group
 from numaserve.supervisor.doorshed import QueueShed
 from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.topology.model import Topology
@@ -204,7 +205,8 @@ class Supervisor:
                      note="workers keep the original soft limit")
         self.runtime.acquire()
         self.listeners = open_listeners(
-            self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
+            self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog,
+            unix_mode=parse_mode(self.cfg.server.unix_mode), unix_gid=resolve_group(self.cfg.server.unix_group),
         )
         self.queue_shed = QueueShed(str(self.runtime.path), self.cfg.admission, enabled=self._queue_shed_wanted())
         self.admin_sock = open_admin_socket(self.cfg.admin)  # a taken port fails the start, before any worker
@@ -526,7 +528,7 @@ class Supervisor:
 
     def _spawn_process(self, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
         """The spawn seam: one slot plan + generation -> a running, bound worker (raises OSError/NumaserveError)."""
-        fds = self.listeners.by_slot[plan.slot]
+        fds = self.listeners.for_slot(plan.slot)
         self.channel.hold(False)   # a new worker's Hello and Ready are read as they come, not at the next tick
         token = workerauth.new_token()
         popen, external, env = spawn(
