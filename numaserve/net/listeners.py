@@ -72,6 +72,11 @@ class ListenerSet:
                 seen.append(lst.address)
         return seen
 
+    def urls(self, tls: bool = False) -> list[str]:
+        """Each address as an operator types it: ``http://HOST:PORT`` (https with TLS), ``unix:PATH``."""
+        scheme = "https" if tls else "http"
+        return [a if a.startswith("unix:") else f"{scheme}://{a}" for a in self.addresses()]
+
     def inodes(self) -> set[int]:
         """Socket inodes of every listener (to tell ours from others' in socket tables)."""
         import os

@@ -157,6 +157,7 @@ class Supervisor:
         self._shared_next = 0.0                             # takeover: next look for other owners
         self._discovery: asyncio.Task[None] | None = None
         self._ran = False
+        self._serving_logged = False                        # "serving on URL" written (once, at first all-ready)
         self.irq_status: dict[str, Any] | None = None
         self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
@@ -593,6 +594,10 @@ class Supervisor:
 
     def _readiness(self, now: float) -> None:
         self.state = self.lifecycle.readiness(now, self.state)
+        if self.lifecycle.all_ready_logged and not self._serving_logged:
+            self._serving_logged = True   # the one line an operator waits for, once every slot serves
+            for url in self.listeners.urls(tls=self.cfg.tls.enabled):
+                log.info(f"serving on {url}", url=url)
         slots = list(self.slots.values())
         for s in slots:
             for w in (s.worker, s.incoming):

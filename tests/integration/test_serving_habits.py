@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -127,3 +128,25 @@ def test_max_lifetime_recycles_a_worker() -> None:
         st = sup.wait_for(lambda st: _recycled(st, "max_lifetime", 1), 90, "a max_lifetime recycle")
         assert st["slots"][0]["generation"] > gen or st["slots"][0]["incoming"] is not None
         assert sup.status()["slots"][0]["state"] == "ready"
+
+
+@pytest.mark.parametrize("level", ["warning", "info"])
+def test_json_logs_are_json_on_every_line_and_say_where_they_serve(level: str) -> None:
+    sup = Running(["--nodes", "0", "--workers-per-node", "2", "--bind", "127.0.0.1:0", "--log-level", level])
+    try:
+        port = sup.port
+        sup.signal(signal.SIGTERM)
+        assert sup.wait_exit(60) == 0
+        lines = [ln for ln in sup.stderr_path.read_text().splitlines() if ln.strip()]
+        for ln in lines:
+            json.loads(ln)          # no bare warning text between the records
+        events = [json.loads(ln) for ln in lines]
+        serving = [e for e in events if str(e.get("event", "")).startswith("serving on ")]
+        if level == "info":
+            assert [e["event"] for e in serving] == [f"serving on http://127.0.0.1:{port}"], serving
+            ready = next(i for i, e in enumerate(events) if e.get("event") == "ready")
+            assert events.index(serving[0]) > ready      # once every slot is ready, not before
+        else:
+            assert all(e["level"] in ("warning", "error", "critical") for e in events), events
+    finally:
+        sup.close()
