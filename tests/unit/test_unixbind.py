@@ -86,3 +86,18 @@ def test_one_shared_socket_for_every_slot_removed_at_close(tmp_path: Path) -> No
     assert not path.exists()
     with pytest.raises(UsageError, match="same address"):
         resolve_binds([f"unix:{path}", f"unix:{path}"])
+
+
+def test_a_reload_cannot_change_the_mode_of_a_socket_already_made() -> None:
+    from types import SimpleNamespace
+
+    from numaserve.supervisor.reload import reload_blockers
+
+    plan = SimpleNamespace(slots=[])
+    unix = {"bind": ["unix:/run/ns.sock"]}
+    old = load_config(None, {"server": unix}, environ={}, use_default_path=False)
+    new = load_config(None, {"server": {**unix, "unix_mode": "0600"}}, environ={}, use_default_path=False)
+    assert reload_blockers(old, plan, new, plan) == ["server.unix_mode changed ('0660' -> '0600')"]  # type: ignore[arg-type]
+    tcp_old = load_config(None, {}, environ={}, use_default_path=False)
+    tcp_new = load_config(None, {"server": {"unix_mode": "0600"}}, environ={}, use_default_path=False)
+    assert reload_blockers(tcp_old, plan, tcp_new, plan) == []  # type: ignore[arg-type]
