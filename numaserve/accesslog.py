@@ -27,8 +27,10 @@ Fields (``server.access_log_format``; the same letters as gunicorn's):
 ``%({name}i)s``       request header ``name``; ``%({name}o)s`` response header
 ====================  ==========================================================
 
-Duration runs from the app being called to its last response byte handed to
-the transport (time queued in admission is not in it; see the metrics).
+The worker puts it outermost in its ASGI chain (``worker.edge.build_stack``), so
+the edge's own answers (503 when shedding, 413, 408) are logged too, and the
+duration runs from the request reaching the chain (head parsed) to its last
+response byte handed to the transport, time waiting for admission included.
 """
 
 from __future__ import annotations

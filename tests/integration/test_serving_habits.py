@@ -21,7 +21,7 @@ from tests.integration.load import LoadLoop
 pytestmark = pytest.mark.slow
 
 # keep-alive in the file is long, so only the flag can make the server close an idle connection soon
-HABITS_CONFIG = FAST_CONFIG.replace("keepalive_timeout = 2.0", "keepalive_timeout = 120.0")
+HABITS_CONFIG = FAST_CONFIG.replace("keepalive_timeout = 2.0", "keepalive_timeout = 120.0\nmax_body_bytes = 1024")
 ACCESS_FORMAT = '%(h)s "%(r)s" %(s)s %(b)s %(D)sus %({x-req}i)s'
 
 
@@ -69,6 +69,17 @@ def test_access_log_line_carries_the_format_and_the_duration(habits: Running) ->
     assert lines, habits.log_tail()
     assert int(lines[0].group(2)) > 0
     assert int(lines[0].group(3)) >= 300_000      # the app slept 300 ms: the duration includes it
+
+
+def test_answers_of_the_edge_are_in_the_access_log_too(habits: Running) -> None:
+    assert habits.port is not None
+    conn = http.client.HTTPConnection("127.0.0.1", habits.port, timeout=30)
+    try:
+        conn.request("POST", "/big", body=b"x" * 4096)
+        assert conn.getresponse().status == 413      # over server.max_body_bytes: numaserve answers, not the app
+    finally:
+        conn.close()
+    assert _access_lines(habits, r'\S+ "POST /api/big HTTP/1.1" 413 \d+ \d+us -'), habits.log_tail()
 
 
 def test_proxy_headers_from_an_allowed_peer_set_the_client(habits: Running) -> None:
