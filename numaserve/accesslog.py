@@ -29,8 +29,9 @@ Fields (``server.access_log_format``; the same letters as gunicorn's):
 
 The worker puts it outermost in its ASGI chain (``worker.edge.build_stack``), so
 the edge's own answers (503 when shedding, 413, 408) are logged too, and the
-duration runs from the request reaching the chain (head parsed) to its last
-response byte handed to the transport, time waiting for admission included.
+duration runs from the request entering the chain (its head parsed; admitted
+already when the protocol decides admission, admission's wait included when
+the edge does) to its last response byte handed to the transport.
 """
 
 from __future__ import annotations
