@@ -111,3 +111,38 @@ def test_cmd_uvicorn_serves_the_unix_socket_through_fd(sock_path: Path) -> None:
         with client(sock_path) as c:
             r = c.get("/x")
         assert r.status_code == 200 and r.json()["pid"] in pids and r.json()["path"] == "/x"
+
+
+def test_a_rolling_restart_under_load_on_the_unix_socket_fails_no_request(sock_path: Path) -> None:
+    with Running(["--nodes", "0", "--workers-per-node", "2", "--bind", f"unix:{sock_path}"]) as sup:
+        before = {s["pid"] for s in sup.slots()}
+        stop = threading.Event()
+        ok: list[int] = []
+        failures: list[str] = []
+
+        def load(fresh: bool) -> None:
+            with client(sock_path) as c:
+                while not stop.is_set():
+                    try:
+                        r = c.get("/", headers={"connection": "close"} if fresh else {})
+                        if r.status_code == 200:
+                            ok.append(r.json()["pid"])
+                        else:
+                            failures.append(f"status {r.status_code}")
+                    except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                        failures.append(repr(e))
+
+        threads = [threading.Thread(target=load, args=(fresh,)) for fresh in (False, False, True, True)]
+        for t in threads:
+            t.start()
+        try:
+            r = sup.ops("restart", "--node", "0", "--wait", timeout=120)
+            assert r.returncode == 0, r.stderr
+        finally:
+            time.sleep(0.5)
+            stop.set()
+            for t in threads:
+                t.join(60)
+        after = {s["pid"] for s in sup.slots()}
+        assert not failures, failures[:10]
+        assert not (after & before) and set(ok) & before and set(ok) & after, (before, after, set(ok))
