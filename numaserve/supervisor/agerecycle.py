@@ -13,6 +13,7 @@ workers started together do not all recycle together.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from numaserve.supervisor.slotcontrol import SlotControl
 log = structlog.get_logger("numaserve.recycle")
 
 LIFETIME_JITTER = 0.10   # a worker's lifetime limit is max_lifetime x (1 + uniform(0, this))
+RETRY_AFTER_FAILURE = 60.0   # seconds before a slot whose recycle failed (new worker not ready) is tried again
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class AgeRecycle:
         self.operations = operations
         self.rng = rng or random.Random()
         self.limits: dict[int, Limits] = {}   # slot -> its current worker's limits
+        self.not_before: dict[int, float] = {}  # slot -> monotonic time its next try may start (after a failure)
 
     def _limits(self, slot: S.SlotState, w: S.WorkerProc) -> Limits:
         lim = self.limits.get(slot.plan.slot)
@@ -82,7 +85,7 @@ class AgeRecycle:
             w = slot.worker
             if w is None or slot.state != S.READY or slot.drained or w.ready is None or w.stop_sent is not None:
                 continue
-            if slot.incoming is not None:
+            if slot.incoming is not None or now < self.not_before.get(slot.plan.slot, 0.0):
                 continue
             reason = due_reason(self._limits(slot, w), w.stats.requests if w.stats else 0, now - w.started)
             if reason is not None:
@@ -93,10 +96,19 @@ class AgeRecycle:
         kind = reason.partition(":")[0]
         log.info("worker_recycle", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
         try:
-            self.operations.start(kind, {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
-                                  lambda op: self._recycle(op, slot, reason))
+            op = self.operations.start(kind, {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
+                                       lambda op: self._recycle(op, slot, reason))
         except Exception as e:  # another operation won the race: due again at the next tick
             log.info("worker_recycle_deferred", slot=slot.plan.slot, why=str(e))
+            return
+        op.on_finish.append(lambda op: self._finished(slot.plan.slot, op))
+
+    def _finished(self, slot: int, op: Any) -> None:
+        """A failed recycle (the old worker kept serving) is not retried every tick: the new
+        worker would crash-loop beside a healthy one."""
+        if op.state != "succeeded":
+            self.not_before[slot] = time.monotonic() + RETRY_AFTER_FAILURE
+            log.warning("worker_recycle_failed", slot=slot, result=op.result, retry_in_s=RETRY_AFTER_FAILURE)
 
     async def _recycle(self, op: Any, slot: S.SlotState, reason: str) -> str:
         slot.last_restart_reason = reason

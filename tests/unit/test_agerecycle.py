@@ -36,8 +36,13 @@ class FakeOps:
 
     def start(self, kind: str, args: dict[str, Any], slots: list[int], body: Any) -> Any:
         self.started.append((kind, args, slots))
-        self.current = SimpleNamespace(state="running", kind=kind)
+        self.current = SimpleNamespace(state="running", kind=kind, on_finish=[], result="")
         return self.current
+
+    def finish(self, state: str) -> None:
+        self.current.state = state
+        for cb in self.current.on_finish:
+            cb(self.current)
 
 
 def _slot(n: int, requests: int, *, state: str = S.READY, generation: int = 1) -> Any:
@@ -59,7 +64,7 @@ def test_one_recycle_at_a_time_and_only_of_a_serving_worker() -> None:
     assert [(k, s) for k, _, s in ops.started] == [("max_requests", [2])]   # not starting slot 0, not 499
     rec.tick(11.0)
     assert len(ops.started) == 1            # an operation runs: nothing else starts
-    ops.current.state = "succeeded"
+    ops.finish("succeeded")
     slots[2].worker = _slot(2, 0, generation=2).worker   # replaced: fresh limits, count from 0
     rec.tick(12.0)
     assert [s for _, _, s in ops.started] == [[2], [3]]
@@ -74,3 +79,17 @@ def test_lifetime_uses_the_worker_start_and_off_means_never() -> None:
     assert ops.started == []
     rec.tick(111.0)
     assert ops.started and ops.started[0][0] == "max_lifetime"
+
+
+def test_a_failed_recycle_is_not_retried_at_once(monkeypatch: Any) -> None:
+    import numaserve.supervisor.agerecycle as A
+
+    monkeypatch.setattr(A.time, "monotonic", lambda: 1000.0)
+    ops = FakeOps()
+    rec = AgeRecycle(_ctl([_slot(0, 10)], max_requests=5), ops)  # type: ignore[arg-type]
+    rec.tick(1000.0)
+    ops.finish("failed")           # the new worker never got ready: the old one still serves
+    rec.tick(1001.0)
+    assert len(ops.started) == 1
+    rec.tick(1000.0 + A.RETRY_AFTER_FAILURE)
+    assert len(ops.started) == 2
