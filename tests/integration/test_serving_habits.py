@@ -143,9 +143,16 @@ def test_max_lifetime_recycles_a_worker() -> None:
 
 @pytest.mark.parametrize("level", ["warning", "info"])
 def test_json_logs_are_json_on_every_line_and_say_where_they_serve(level: str) -> None:
-    sup = Running(["--nodes", "0", "--workers-per-node", "2", "--bind", "127.0.0.1:0", "--log-level", level])
+    # the file turns the access log on, the flag off; proxy headers trusted from another network only
+    cfg = FAST_CONFIG.replace("[server]\n", "[server]\naccess_log = true\n")
+    sup = Running(["scopeapp:app", "--nodes", "0", "--workers-per-node", "2", "--bind", "127.0.0.1:0",
+                   "--log-level", level, "--no-access-log", "--proxy-headers", "--forwarded-allow-ips", "10.9.0.0/16"],
+                  config=cfg)
     try:
         port = sup.port
+        assert port is not None
+        got = _get(port, "/who", {"x-forwarded-for": "203.0.113.7"})
+        assert got["client"][0] == "127.0.0.1", got      # 127.0.0.1 is not a trusted proxy here
         sup.signal(signal.SIGTERM)
         assert sup.wait_exit(60) == 0
         lines = [ln for ln in sup.stderr_path.read_text().splitlines() if ln.strip()]
@@ -153,6 +160,7 @@ def test_json_logs_are_json_on_every_line_and_say_where_they_serve(level: str) -
             json.loads(ln)          # no bare warning text between the records
         events = [json.loads(ln) for ln in lines]
         serving = [e for e in events if str(e.get("event", "")).startswith("serving on ")]
+        assert not [e for e in events if e.get("logger") == "numaserve.access"]   # --no-access-log wins
         if level == "info":
             assert [e["event"] for e in serving] == [f"serving on http://127.0.0.1:{port}"], serving
             ready = next(i for i, e in enumerate(events) if e.get("event") == "ready")
