@@ -146,3 +146,17 @@ def test_a_rolling_restart_under_load_on_the_unix_socket_fails_no_request(sock_p
         after = {s["pid"] for s in sup.slots()}
         assert not failures, failures[:10]
         assert not (after & before) and set(ok) & before and set(ok) & after, (before, after, set(ok))
+
+
+def test_the_socket_file_of_a_killed_supervisor_is_replaced(sock_path: Path) -> None:
+    with Running(["--nodes", "0", "--workers-per-node", "2", "--bind", f"unix:{sock_path}"]) as first:
+        pids = [s["pid"] for s in first.slots()]
+        first.proc.kill()                 # SIGKILL: no clean-up, the file stays
+        first.proc.wait(30)
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)               # the workers follow their supervisor (parent-death signal)
+        assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+    with Running(["--nodes", "0", "--bind", f"unix:{sock_path}"]) as second:
+        with client(sock_path) as c:
+            assert c.get("/").json()["pid"] == second.slots()[0]["pid"]
