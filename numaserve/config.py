@@ -453,7 +453,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     _check_serving_habits(cfg, bad)
 
 
-def _check_serving_habits(cfg: Config, bad: Any) -> None:
+def _check_serving_habits(cfg: Config, bad: typing.Callable[[str, str, Any, str], ConfigError]) -> None:
     """The uvicorn/gunicorn-style keys: access log format, root path, recycling limits."""
     from numaserve.accesslog import compile_format  # local: the worker's formatter, imported on demand
 
