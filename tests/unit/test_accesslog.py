@@ -78,7 +78,7 @@ def test_the_line_is_written_once_the_response_ended_with_size_and_duration() ->
 
     (line,) = _run(app, "%(s)s %(B)s %(D)s")
     status, size, micros = line.split()
-    assert (status, size) == ("200", "5") and int(micros) >= 50_000   # the stream's whole life
+    assert (status, size) == ("200", "5") and int(micros) >= 40_000   # the stream's whole life (the 50 ms sleep; timers may fire a tick early)
     (line,) = _run(app)
     assert line.startswith('10.0.0.5 "POST /api/v1/x?a=1 HTTP/1.1" 200 5 ') and line.endswith("us")
     assert DEFAULT_FORMAT.endswith("%(D)sus")
