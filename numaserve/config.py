@@ -40,6 +40,7 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("placement", "topology_file"): "--declared",
     ("placement", "sysfs_root"): "--root",
     ("worker", "start"): "--worker-start",
+    ("server", "keepalive_timeout"): "--timeout-keep-alive",
 }
 
 
@@ -70,6 +71,10 @@ class ServerConfig(_Section):
     steering: Literal["hash", "numa"] = "hash"
     concentrate: bool = True
     takeover: bool = False
+    access_log_format: str = ""
+    root_path: str = ""
+    unix_mode: str = "0660"
+    unix_group: str = ""
 
 
 class PlacementConfig(_Section):
@@ -237,6 +242,9 @@ class WorkerConfig(_Section):
 
     start: Literal["fork", "exec"] = "fork"
     preload: str = ""
+    max_requests: int = 0
+    max_requests_jitter: int = 0
+    max_lifetime: float = 0.0
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -291,6 +299,7 @@ _NON_NEGATIVE = {
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
     ("supervisor", "unresponsive_after"),
 }
+_NON_NEGATIVE |= {("worker", "max_requests"), ("worker", "max_requests_jitter"), ("worker", "max_lifetime")}
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")
 _PRELOAD_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -378,11 +387,13 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     if not cfg.server.bind:
         raise bad("server", "bind", cfg.server.bind, "at least one HOST:PORT")
     for b in cfg.server.bind:
+        if b.strip().startswith("unix:"):
+            continue   # checked with the other serving habits (_check_serving_habits)
         try:
             parse_bind(b)
         except ValueError as e:
             why = "" if str(e).startswith("expected HOST:PORT") else f" ({e})"
-            raise bad("server", "bind", b, f"HOST:PORT, [IPV6]:PORT or :PORT{why}") from None
+            raise bad("server", "bind", b, f"HOST:PORT, [IPV6]:PORT, :PORT or unix:/PATH{why}") from None
     if cfg.admin.bind:
         try:
             parse_bind(cfg.admin.bind)
@@ -439,6 +450,39 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         parse_node_spec(cfg.placement.nodes)
     except ValueError as e:
         raise bad("placement", "nodes", cfg.placement.nodes, f'"all" or a node list like 0,2-3 ({e})') from None
+    _check_serving_habits(cfg, bad)
+
+
+def _check_serving_habits(cfg: Config, bad: typing.Callable[[str, str, Any, str], ConfigError]) -> None:
+    """The uvicorn/gunicorn-style keys: access log format, root path, recycling limits."""
+    from numaserve.accesslog import compile_format  # local: the worker's formatter, imported on demand
+
+    if cfg.server.access_log_format:
+        try:
+            compile_format(cfg.server.access_log_format)
+        except ValueError as e:
+            raise bad("server", "access_log_format", cfg.server.access_log_format, str(e)) from None
+    rp = cfg.server.root_path
+    if rp and (not rp.startswith("/") or rp.endswith("/") or not rp.isascii() or any(c in rp for c in " ?#")):
+        raise bad("server", "root_path", rp, '"" or a path like "/api" (leading /, no trailing /, no query)')
+    from numaserve.net.unixbind import is_unix_bind, parse_mode, resolve_group, unix_path
+
+    for b in cfg.server.bind:
+        if is_unix_bind(b):
+            try:
+                unix_path(b)
+            except ValueError as e:
+                raise bad("server", "bind", b, f"unix:/PATH ({e})") from None
+    try:
+        parse_mode(cfg.server.unix_mode)
+    except ValueError as e:
+        raise bad("server", "unix_mode", cfg.server.unix_mode, str(e)[len("expected "):]) from None
+    try:
+        resolve_group(cfg.server.unix_group)
+    except ValueError as e:
+        raise bad("server", "unix_group", cfg.server.unix_group, f'an existing group name or gid, or "" ({e})') from None
+    if cfg.worker.max_requests_jitter and not cfg.worker.max_requests:
+        raise bad("worker", "max_requests_jitter", cfg.worker.max_requests_jitter, "worker.max_requests set too")
 
 
 # --- loading ------------------------------------------------------------------

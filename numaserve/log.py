@@ -29,7 +29,7 @@ LEVELS: dict[str, int] = {
 FORMATS = ("auto", "json", "console")
 
 # Loggers that install their own handlers; we send them through the root one.
-_ROUTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio")
+_ROUTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio", "py.warnings")
 _HANDLER_MARK = "_numaserve_handler"
 
 
@@ -156,6 +156,11 @@ def configure_logging(
             root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(LEVELS[lvl])
+    # a library's warnings.warn() goes through the log as well (logger py.warnings), never as
+    # bare text on stderr between JSON lines (off first: re-installed even when something restored
+    # warnings.showwarning since an earlier call)
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
     for name in _ROUTED_LOGGERS:
         lg = logging.getLogger(name)
         lg.handlers.clear()

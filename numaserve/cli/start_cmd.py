@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option
+from numaserve.cli.common import SECONDS, config_from_flags, config_option
 from numaserve.errors import UsageError
 
 
@@ -24,10 +24,12 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 
 
 @click.command("start")
+@click.argument("app_arg", metavar="[APP]", required=False, default=None)
 @config_option
 @click.option("--nodes", default=None, help='NUMA nodes to serve on: "all" or a list like 0,2-3.')
 @click.option("--workers-per-node", default=None, help='Workers per node: N or "auto".')
-@click.option("--bind", "binds", multiple=True, help="HOST:PORT to listen on (repeatable; [::]:PORT for IPv6).")
+@click.option("--bind", "binds", multiple=True,
+              help="HOST:PORT to listen on (repeatable; [::]:PORT for IPv6; unix:/PATH for a unix socket).")
 @click.option("--app", default=None, help="ASGI app as module:attr (default: the embedded demo app).")
 @click.option("--cmd", default=None, help='External server command per slot, e.g. "uvicorn app:app --fd {fd}".')
 @click.option("--app-dir", default=None, help="Directory prepended to sys.path before importing --app.")
@@ -46,6 +48,26 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
               help="Start even when another process listens on a bind address, sharing it (an upgrade).")
 @click.option("--allow-host-port", is_flag=True, default=None,
               help="Let --cmd use {host}/{port} (the command then binds its own sockets; see README).")
+@click.option("--log-level", "log_level",
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default=None,
+              help="Log level (log.level); the same as `numaserve --log-level ... start`.")
+@click.option("--access-log/--no-access-log", "access_log", default=None,
+              help="One log line per request, with its duration (server.access_log).")
+@click.option("--access-log-format", default=None,
+              help='gunicorn-style access line, e.g. \'%(h)s "%(r)s" %(s)s %(b)s %(D)sus\' (fields: docs/serving.md).')
+@click.option("--proxy-headers/--no-proxy-headers", "proxy_headers", default=None,
+              help="Trust X-Forwarded-For/-Proto from --forwarded-allow-ips (server.proxy_headers).")
+@click.option("--forwarded-allow-ips", default=None,
+              help='Comma-separated proxy addresses or CIDRs trusted for proxy headers, "*" for all.')
+@click.option("--root-path", default=None, help='ASGI root_path when mounted below a prefix, e.g. "/api".')
+@click.option("--timeout-keep-alive", type=SECONDS, default=None,
+              help="Seconds an idle keep-alive connection stays open (server.keepalive_timeout).")
+@click.option("--max-requests", type=click.IntRange(min=0), default=None,
+              help="Recycle a worker after this many requests, make-before-break (0 = never).")
+@click.option("--max-requests-jitter", type=click.IntRange(min=0), default=None,
+              help="Add 0..N random requests to each worker's --max-requests, so they do not recycle together.")
+@click.option("--max-lifetime", type=SECONDS, default=None,
+              help="Recycle a worker after this many seconds, plus up to 10 %% jitter (0 = never).")
 @click.pass_context
 def start(
     ctx: click.Context,
@@ -66,6 +88,17 @@ def start(
     steering: str | None,
     takeover: bool | None,
     allow_host_port: bool | None,
+    app_arg: str | None = None,
+    log_level: str | None = None,
+    access_log: bool | None = None,
+    access_log_format: str | None = None,
+    proxy_headers: bool | None = None,
+    forwarded_allow_ips: str | None = None,
+    root_path: str | None = None,
+    timeout_keep_alive: float | None = None,
+    max_requests: int | None = None,
+    max_requests_jitter: int | None = None,
+    max_lifetime: float | None = None,
 ) -> None:
     """Start one pinned, memory-bound worker per NUMA node and supervise them.
 
@@ -76,6 +109,12 @@ def start(
     start (e.g. the app does not import), 4 stopped but workers had to be
     killed.
     """
+    if app_arg is not None:
+        if app is not None:
+            raise UsageError(f"the app is given twice (APP {app_arg!r} and --app {app!r}): give one")
+        app = app_arg
+    if log_level:   # the group's --log-level, given after the subcommand: one value either way
+        ctx.find_root().ensure_object(dict)["log_level"] = log_level.lower()
     if app and cmd:
         raise UsageError("--app and --cmd exclude each other: give one")
     server: dict[str, object] = {
@@ -86,6 +125,12 @@ def start(
         "backlog": backlog,
         "steering": steering,
         "takeover": takeover or None,
+        "access_log": access_log,
+        "access_log_format": access_log_format,
+        "proxy_headers": proxy_headers,
+        "forwarded_allow_ips": _ip_list(forwarded_allow_ips),
+        "root_path": root_path,
+        "keepalive_timeout": timeout_keep_alive,
     }
     # a flag choosing one kind of worker clears the other kind set in the file
     if app:
@@ -103,7 +148,8 @@ def start(
         },
         "supervisor": {"runtime_dir": runtime_dir},
         "cmd": {"allow_host_port": allow_host_port or None},
-        "worker": {"preload": preload, "start": worker_start},
+        "worker": {"preload": preload, "start": worker_start, "max_requests": max_requests,
+                   "max_requests_jitter": max_requests_jitter, "max_lifetime": max_lifetime},
     }
     cfg = config_from_flags(config_path, overrides, ctx)
 
@@ -125,6 +171,14 @@ def start(
 
     runtime = RuntimeDir(resolve_runtime_dir(cfg.supervisor.runtime_dir))
     runtime.refuse_if_held()
+    import socket
+
+    from numaserve.net.unixbind import check_unix_path
+
+    for b in binds:   # a live server on a unix path refuses the start (a stale file is replaced at open)
+        if b.family == socket.AF_UNIX:
+            check_unix_path(b.host)
+    binds = [b for b in binds if b.family != socket.AF_UNIX]
     for warning in check_binds(binds, takeover=cfg.server.takeover):
         structlog.get_logger("numaserve.supervisor").warning("port_shared", detail=warning)
     sup = Supervisor(cfg, plan, runtime, config_path=config_path, topology=topo, overrides=_flag_overrides(ctx, overrides))
@@ -137,6 +191,13 @@ def start(
     if sup.fatal:
         click.echo(f"numaserve: error: {sup.fatal}", err=True)
     ctx.exit(code)
+
+
+def _ip_list(text: str | None) -> list[str] | None:
+    """--forwarded-allow-ips "10.0.0.1, 10.1.0.0/16" as a list (checked by the config like the key)."""
+    if text is None:
+        return None
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def _flag_overrides(ctx: click.Context, overrides: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:

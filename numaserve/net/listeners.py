@@ -6,6 +6,9 @@ group order), and keeps its reference for its whole life.  A worker gets a
 duplicate through fd inheritance; when it crashes or is replaced only the
 duplicate closes, the socket stays in the group and its accept queue keeps
 every waiting connection for the next worker (FACTS §7.1, §7.8).
+
+A ``unix:PATH`` bind is one socket shared by every slot (``ListenerSet.shared``,
+numaserve.net.unixbind): AF_UNIX has no reuseport groups to steer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Iterable
 
 from numaserve.config import parse_bind
 from numaserve.errors import NumaserveError, UsageError
+from numaserve.net.unixbind import is_unix_bind, make_unix_listener, remove_unix_socket, unix_path
 
 SO_REUSEPORT = getattr(socket, "SO_REUSEPORT", 15)
 
@@ -29,6 +33,7 @@ class Listener:
     port: int
     family: int
     sock: socket.socket
+    ino: int = 0          # AF_UNIX: the socket file's inode (removed at close only while it is ours)
 
     @property
     def fd(self) -> int:
@@ -36,20 +41,29 @@ class Listener:
 
     @property
     def address(self) -> str:
+        if self.family == socket.AF_UNIX:
+            return f"unix:{self.host}"
         return f"[{self.host}]:{self.port}" if self.family == socket.AF_INET6 else f"{self.host}:{self.port}"
 
 
 @dataclass
 class ListenerSet:
-    """All listeners: ``by_slot[slot]`` lists one socket per bind address."""
+    """All listeners: ``by_slot[slot]`` lists one TCP socket per TCP bind address (its
+    reuseport group's member for the slot; empty with unix binds only); ``shared`` the
+    unix sockets every slot accepts from."""
 
     by_slot: dict[int, list[Listener]] = field(default_factory=dict)
+    shared: list[Listener] = field(default_factory=list)
+
+    def for_slot(self, slot: int) -> list[Listener]:
+        """What a slot's worker inherits and serves: its TCP sockets, then the shared unix ones."""
+        return [*self.by_slot.get(slot, []), *self.shared]
 
     def fds(self, slot: int) -> list[int]:
-        return [lst.fd for lst in self.by_slot.get(slot, [])]
+        return [lst.fd for lst in self.for_slot(slot)]
 
     def all(self) -> list[Listener]:
-        return [lst for ls in self.by_slot.values() for lst in ls]
+        return [lst for ls in self.by_slot.values() for lst in ls] + list(self.shared)
 
     def addresses(self) -> list[str]:
         seen: list[str] = []
@@ -57,6 +71,11 @@ class ListenerSet:
             if lst.address not in seen:
                 seen.append(lst.address)
         return seen
+
+    def urls(self, tls: bool = False) -> list[str]:
+        """Each address as an operator types it: ``http://HOST:PORT`` (https with TLS), ``unix:PATH``."""
+        scheme = "https" if tls else "http"
+        return [a if a.startswith("unix:") else f"{scheme}://{a}" for a in self.addresses()]
 
     def inodes(self) -> set[int]:
         """Socket inodes of every listener (to tell ours from others' in socket tables)."""
@@ -71,12 +90,16 @@ class ListenerSet:
         return out
 
     def close(self) -> None:
+        """Close every socket; unix socket files are removed (while still ours)."""
         for lst in self.all():
+            if lst.family == socket.AF_UNIX and lst.sock.fileno() >= 0:
+                remove_unix_socket(lst.host, lst.ino)
             try:
                 lst.sock.close()
             except OSError:
                 pass
         self.by_slot.clear()
+        self.shared.clear()
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,8 @@ class BindAddress:
 
     @property
     def address(self) -> str:
+        if self.family == socket.AF_UNIX:
+            return f"unix:{self.host}"
         return f"[{self.host}]:{self.port}" if self.family == socket.AF_INET6 else f"{self.host}:{self.port}"
 
 
@@ -100,8 +125,13 @@ def resolve_bind(text: str) -> BindAddress:
     """``HOST:PORT`` → the address to bind; UsageError (exit 2) naming what is wrong.
 
     Runs before anything starts, so ``--bind 300.1.1.1:80`` is a usage error,
-    not a half-started supervisor.
+    not a half-started supervisor.  ``unix:PATH`` resolves to an AF_UNIX address (host = path).
     """
+    if is_unix_bind(text):
+        try:
+            return BindAddress(text, unix_path(text), 0, socket.AF_UNIX)
+        except ValueError as e:
+            raise UsageError(f"server.bind {text!r}: {e}") from None
     try:
         host, port = parse_bind(text)
     except ValueError as e:
@@ -132,7 +162,8 @@ def resolve_binds(binds: Iterable[str]) -> list[BindAddress]:
     out: list[BindAddress] = []
     for text in binds:
         b = resolve_bind(text)
-        same = next((o for o in out if (o.family, o.host, o.port) == (b.family, b.host, b.port) and b.port), None)
+        same = next((o for o in out if (o.family, o.host, o.port) == (b.family, b.host, b.port)
+                     and (b.port or b.family == socket.AF_UNIX)), None)
         if same is not None:
             raise UsageError(f"server.bind: {b.text!r} and {same.text!r} are the same address ({b.address})")
         out.append(b)
@@ -182,17 +213,25 @@ def make_listener(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def open_listeners(binds: list[str] | list[BindAddress], slots: list[int], backlog: int) -> ListenerSet:
+def open_listeners(binds: list[str] | list[BindAddress], slots: list[int], backlog: int, *,
+                   unix_mode: int = 0o660, unix_gid: int | None = None) -> ListenerSet:
     """Create every slot's listeners, in slot order, for every bind address.
 
     Port 0 picks one free port for the first slot and reuses it for the rest,
-    so all slots share one port (tests rely on this).
+    so all slots share one port (tests rely on this).  A unix bind is one
+    socket for all slots (``shared``), with ``unix_mode`` and group ``unix_gid``.
     """
     out = ListenerSet()
+    for slot in slots:
+        out.by_slot[slot] = []
     try:
         for bind in binds:
             b = bind if isinstance(bind, BindAddress) else resolve_bind(bind)
             host, port, fam = b.host, b.port, b.family
+            if fam == socket.AF_UNIX:
+                sock, ino = make_unix_listener(host, backlog, unix_mode, unix_gid)
+                out.shared.append(Listener(-1, host, 0, fam, sock, ino))
+                continue
             for slot in slots:
                 sock = make_listener(host, port, backlog)
                 if port == 0:

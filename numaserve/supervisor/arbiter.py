@@ -37,6 +37,7 @@ from numaserve.control import messages as m
 from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
 from numaserve.net.listeners import ListenerSet, accept_queue_depth, open_listeners
+from numaserve.net.unixbind import parse_mode, resolve_group
 from numaserve.supervisor.doorshed import QueueShed
 from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.topology.model import Topology
@@ -59,6 +60,7 @@ from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lbgrace import ProbeClock
 from numaserve.supervisor.leakwatch import LeakWatch
+from numaserve.supervisor.agerecycle import AgeRecycle
 from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-exported)
     EXIT_ERROR,
     EXIT_FORCED,
@@ -147,6 +149,7 @@ class Supervisor:
         self.limits = LimitsManager(self)
         self.templates = TemplateManager(self)            # per-node warm templates ([worker] start = "fork")
         self.leakwatch = LeakWatch(self, self.operations)
+        self.agerecycle = AgeRecycle(self, self.operations)   # worker.max_requests / max_lifetime
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
@@ -154,6 +157,7 @@ class Supervisor:
         self._shared_next = 0.0                             # takeover: next look for other owners
         self._discovery: asyncio.Task[None] | None = None
         self._ran = False
+        self._serving_logged = False                        # "serving on URL" written (once, at first all-ready)
         self.irq_status: dict[str, Any] | None = None
         self.irq_state_file: str | None = None
         self.ctx: zmq.asyncio.Context | None = None
@@ -202,7 +206,8 @@ class Supervisor:
                      note="workers keep the original soft limit")
         self.runtime.acquire()
         self.listeners = open_listeners(
-            self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog
+            self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog,
+            unix_mode=parse_mode(self.cfg.server.unix_mode), unix_gid=resolve_group(self.cfg.server.unix_group),
         )
         self.queue_shed = QueueShed(str(self.runtime.path), self.cfg.admission, enabled=self._queue_shed_wanted())
         self.admin_sock = open_admin_socket(self.cfg.admin)  # a taken port fails the start, before any worker
@@ -384,6 +389,7 @@ class Supervisor:
         if now - self._last_mem >= 0.9:   # once a second (settled ticks are 1 s apart, give or take)
             self._last_mem = now
             self.leakwatch.tick(now)
+            self.agerecycle.tick(now)
             if self.fdwatch is not None:
                 self.fdwatch.tick()
 
@@ -523,7 +529,7 @@ class Supervisor:
 
     def _spawn_process(self, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
         """The spawn seam: one slot plan + generation -> a running, bound worker (raises OSError/NumaserveError)."""
-        fds = self.listeners.by_slot[plan.slot]
+        fds = self.listeners.for_slot(plan.slot)
         self.channel.hold(False)   # a new worker's Hello and Ready are read as they come, not at the next tick
         token = workerauth.new_token()
         popen, external, env = spawn(
@@ -588,6 +594,10 @@ class Supervisor:
 
     def _readiness(self, now: float) -> None:
         self.state = self.lifecycle.readiness(now, self.state)
+        if self.lifecycle.all_ready_logged and not self._serving_logged:
+            self._serving_logged = True   # the one line an operator waits for, once every slot serves
+            for url in self.listeners.urls(tls=self.cfg.tls.enabled):
+                log.info(f"serving on {url}", url=url)
         slots = list(self.slots.values())
         for s in slots:
             for w in (s.worker, s.incoming):

@@ -37,7 +37,9 @@ class ExternalReadiness:
         """External commands have no control channel: the supervisor probes the
         slot (``[cmd] ready``) until the new process accepts (and answers)."""
         spec = parse_ready(self.ctl.cfg.cmd.ready)
-        if spec.kind == "alive" or self.steering() is None or self.steering().paused:
+        # a unix-only bind has no slot's own queue to route a probe to: the alive rule
+        if spec.kind == "alive" or self.steering() is None or self.steering().paused \
+                or not self.listeners().by_slot.get(slot.plan.slot):
             if now - w.started >= min(1.0, self.ctl.cfg.supervisor.ready_timeout):
                 w.last_beat = now
                 self.lifecycle.on_ready(slot, w, now)

@@ -58,7 +58,7 @@ SUPERVISOR_STATES: tuple[str, ...] = ("starting", "running", "degraded", "stoppi
 #: ``slots.restart_reason_class`` vocabulary, pre-initialised to 0 so the first restart is a visible increase.
 RESTART_REASONS: tuple[str, ...] = ("hung", "not_ready", "sigkill", "sigabrt", "sigsegv", "app_failed",
                                     "spawn_failed", "binding", "leak", "soft_cap", "hard_cap", "reload",
-                                    "restart", "exit", "other")
+                                    "restart", "exit", "other", "max_requests", "max_lifetime")
 #: ``supervisor.exits`` kinds, pre-initialised like the reasons.
 EXIT_KINDS: tuple[str, ...] = ("external", "crash", "boot", "hang")
 STATUS_CLASSES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx")

@@ -45,6 +45,9 @@ def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) ->
         out.append(f"server.bind changed ({old.server.bind} -> {new.server.bind})")
     if old.server.backlog != new.server.backlog:
         out.append(f"server.backlog changed ({old.server.backlog} -> {new.server.backlog})")
+    for key in ("unix_mode", "unix_group"):   # set on the unix socket file when it is created
+        if any(b.startswith("unix:") for b in new.server.bind) and getattr(old.server, key) != getattr(new.server, key):
+            out.append(f"server.{key} changed ({getattr(old.server, key)!r} -> {getattr(new.server, key)!r})")
     if bool(old.server.cmd) != bool(new.server.cmd):
         out.append("switching between server.app and server.cmd")
     if bool(host_port_placeholders(old.server.cmd)) != bool(host_port_placeholders(new.server.cmd)):

@@ -538,8 +538,13 @@ def build_stack(spec: Any, app: ASGIApp, stats: WorkerStats, lifespan: LifespanR
     edge = Edge(app, stats=stats, lifespan=lifespan, cpu=runtime, gate=gate,
                 default_timeout_s=adm.request_timeout_s, max_body_bytes=spec.max_body_bytes,
                 read_timeout=spec.read_timeout)
-    config = build_config(spec, edge, stats=stats, admission=runtime)
-    return Stack(app=edge, edge=edge, runtime=runtime, gate=gate, config=config)
+    entry: ASGIApp = edge
+    if spec.access_log:   # outermost: the edge's own answers (503 shed, 413, 408) are logged too
+        from numaserve.accesslog import AccessLogMiddleware
+
+        entry = AccessLogMiddleware(edge, spec.server.access_log_format)
+    config = build_config(spec, entry, stats=stats, admission=runtime)
+    return Stack(app=entry, edge=edge, runtime=runtime, gate=gate, config=config)
 
 
 def assemble_for_bench(spec: Any, app: ASGIApp) -> tuple[type, Any, Any]:

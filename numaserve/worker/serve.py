@@ -152,7 +152,8 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
         timeout_graceful_shutdown=spec.graceful_timeout,  # type: ignore[arg-type]
         h11_max_incomplete_event_size=spec.max_header_bytes,
         limit_concurrency=spec.max_connections or None,
-        access_log=spec.access_log,
+        access_log=False,  # numaserve.accesslog writes the line once the response ended (build_stack)
+        root_path=spec.server.root_path,
         # off unless configured: uvicorn's default trusts X-Forwarded-* from 127.0.0.1 and
         # pays a middleware per request for it (server.proxy_headers, forwarded_allow_ips)
         proxy_headers=spec.proxy_headers,

@@ -273,7 +273,9 @@ WORKER_MODULES = (
     "numaserve.worker.admission_mw",
     "numaserve.worker.shedding", "numaserve.bind.verify", "numaserve.log",
     "uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl",
-    "uvicorn.protocols.websockets.websockets_impl", "uvicorn.protocols.websockets.wsproto_impl",
+    # ws "auto" (what build_config leaves uvicorn): websockets' sans-I/O protocol, else wsproto; never the
+    # legacy websockets_impl, whose import warns about a `--ws websockets` nobody chose
+    "uvicorn.protocols.websockets.auto", "uvicorn.protocols.websockets.wsproto_impl",
     "uvicorn.protocols.websockets.websockets_sansio_impl",
     "uvicorn.lifespan.on", "uvicorn.loops.uvloop", "uvloop", "httptools", "zmq", "zmq.asyncio",
 )

@@ -123,8 +123,9 @@ class Running:
         st = self.wait_for(
             lambda s: s["slots"] and all(x["state"] == "ready" for x in s["slots"]), timeout, "all slots ready"
         )
-        first = st["supervisor"]["listeners"][0]
-        self.port = int(first.rsplit(":", 1)[1])
+        tcp = [a for a in st["supervisor"]["listeners"] if not a.startswith("unix:")]
+        if tcp:   # unix binds only: no port
+            self.port = int(tcp[0].rsplit(":", 1)[1])
         return st
 
     def log_tail(self, n: int = 40) -> str:

@@ -14,7 +14,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "numaserve"
 
 #: Modules that act on slots through ``SlotControl`` and must never see the supervisor class.
-NARROW = ("operations", "leakwatch", "limits", "ops", "ops_cache")
+NARROW = ("operations", "leakwatch", "limits", "ops", "ops_cache", "agerecycle")
 
 
 def _modules() -> dict[str, Path]:

@@ -166,3 +166,19 @@ def test_default_stream_is_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert captured.out == ""
     assert json.loads(captured.err.splitlines()[-1])["event"] == "to stderr"
+
+
+def test_a_library_warning_is_a_json_record_too() -> None:
+    import warnings
+
+    s = io.StringIO()
+    configure_logging("warning", "json", stream=s)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("the `websockets` implementation is deprecated", UserWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+    (rec,) = records(s)
+    assert rec["logger"] == "py.warnings" and rec["level"] == "warning"
+    assert "UserWarning: the `websockets` implementation is deprecated" in str(rec["event"])
