@@ -59,6 +59,7 @@ from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lbgrace import ProbeClock
 from numaserve.supervisor.leakwatch import LeakWatch
+from numaserve.supervisor.localitywatch import LocalityWatch
 from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-exported)
     EXIT_ERROR,
     EXIT_FORCED,
@@ -147,6 +148,7 @@ class Supervisor:
         self.limits = LimitsManager(self)
         self.templates = TemplateManager(self)            # per-node warm templates ([worker] start = "fork")
         self.leakwatch = LeakWatch(self, self.operations)
+        self.locality = LocalityWatch(self, self.operations, self._node_cpus)   # [placement] locality/repair
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
@@ -384,6 +386,7 @@ class Supervisor:
         if now - self._last_mem >= 0.9:   # once a second (settled ticks are 1 s apart, give or take)
             self._last_mem = now
             self.leakwatch.tick(now)
+            self.locality.tick(now)
             if self.fdwatch is not None:
                 self.fdwatch.tick()
 
@@ -650,6 +653,7 @@ class Supervisor:
             d["shed"] = st.shed if st else 0
             d["limits"] = self.limits.status(slot)
             d["memory"] = self.leakwatch.status(slot)
+            d["locality"] = self.locality.status(slot)
             extra = st.extra if st else {}
             d["condition"] = "degraded (fd limit)" if extra.get("fd_limited") else None
             d["fds"] = ({k: extra.get(k) for k in ("fds_open", "fd_limit", "accept_errors", "fd_limit_hits")}
