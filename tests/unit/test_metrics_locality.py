@@ -55,3 +55,14 @@ def test_no_locality_section_no_series_and_malformed_values_are_skipped() -> Non
     c = NumaserveCollector(lambda: bad)
     got = samples(bad, c)
     assert got[("numaserve_locality_repairs_total", (("action", "migrate"), ("node", "0"), ("slot", "0")))] == 0.0
+
+
+def test_the_dashboard_shows_the_locality_metrics() -> None:
+    import json
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[2] / "config" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t.get("expr", "") for p in dash["panels"] for t in p.get("targets", []))
+    for name in ("numaserve_worker_memory_local_ratio", "numaserve_worker_threads_off_node",
+                 "numaserve_node_memory_remote_ratio", "numaserve_locality_repairs_total"):
+        assert name in exprs, name
