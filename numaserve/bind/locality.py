@@ -6,8 +6,13 @@ they *are*.  Pages move after binding (``migratepages``, NUMA balancing, a
 policy the app changed, a cpuset change), and a thread can be moved by a
 ``taskset`` from outside.  One sample is:
 
-* the worker's resident bytes per node, from ``/proc/PID/numa_maps``
-  (``verify.read_node_pages``: the same parse as the binding check);
+* the worker's anonymous memory per node (heap, stack, anonymous mappings:
+  what it allocated itself), from ``/proc/PID/numa_maps``
+  (``verify.read_node_pages``: the same parse as the binding check).  File
+  pages (the interpreter, shared libraries, page cache) are left out: they
+  are shared and sit on whichever node first read them, so a worker bound
+  to node 1 maps node-0 copies of libpython without anything being wrong
+  (in the lab VM that alone put an exec'd worker at 83 % "local");
 * for each thread, the CPU it last ran on (``/proc/PID/task/TID/stat``
   field 39, ``processor``), counted as off node when that CPU is not one of
   the node's.
@@ -35,7 +40,7 @@ _GONE = (errno.ENOENT, errno.ESRCH)
 
 @dataclass(frozen=True)
 class LocalitySample:
-    """One look at a worker: resident bytes per node and its threads' last CPUs."""
+    """One look at a worker: its anonymous bytes per node and its threads' last CPUs."""
 
     pid: int
     nodes: tuple[int, ...]                 # the worker's own node(s)
@@ -58,7 +63,7 @@ class LocalitySample:
 
     @property
     def local_ratio(self) -> float | None:
-        """Share of resident bytes on the worker's own node(s); None when nothing is resident
+        """Share of its anonymous bytes on the worker's own node(s); None when there are none
         (or numa_maps could not be read)."""
         total = self.total_bytes
         return self.local_bytes / total if total else None
@@ -126,6 +131,6 @@ def sample_locality(pid: int, nodes: Iterable[int], node_cpus: Iterable[int],
     own = tuple(sorted(set(nodes)))
     cpus = frozenset(node_cpus)
     last = read_thread_cpus(pid, proc_root)
-    _, nbytes = read_node_pages(pid, proc_root)
+    _, nbytes = read_node_pages(pid, proc_root, anon_only=True)
     off = sum(1 for c in last.values() if cpus and c not in cpus)
     return LocalitySample(pid, own, nbytes, len(last), off, time.thread_time() - t0)

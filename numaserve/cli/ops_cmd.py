@@ -132,7 +132,7 @@ def _duration(seconds: float) -> str:
 
 
 def _locality_cells(s: dict[str, Any]) -> dict[str, str]:
-    """``local`` (share of resident memory on the slot's node) and ``offnode`` (threads last run
+    """``local`` (share of its anonymous memory on the slot's node) and ``offnode`` (threads last run
     on another node's CPUs) from the slot's ``locality`` sample; "-" before the first sample."""
     loc = s.get("locality") or {}
     ratio, off = loc.get("local_ratio"), loc.get("threads_off_node")

@@ -965,6 +965,7 @@ class Supervisor:
                 "control_plane": self._control_plane_status(),
                 "steering": self._steering_status(),
                 "rescue": self.rescuer.status(),
+                "locality": self.locality.summary(),
                 "admin": self.admin.address if self.admin else None,
                 "irq": self.irq_status,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),

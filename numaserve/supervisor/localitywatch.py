@@ -121,8 +121,6 @@ class LocalityWatch:
         seen.interval = interval_for(base, sample.cost_s, workers, CPU_BUDGET)
         seen.due = now + seen.interval
         ratio = sample.local_ratio
-        if ratio is not None:
-            w.remote_share = round(1.0 - ratio, 4)   # the status' remote_memory_share, fresh
         action = self.judge.observe(slot.plan.slot, w.generation, ratio)
         if action == "migrate":
             self._migrate(slot, w, sample, now)
@@ -165,7 +163,7 @@ class LocalityWatch:
                      why=f"operation {cur.id} running")
             return
         ratio = round(sample.local_ratio or 0.0, 4)
-        reason = f"locality: {ratio:.1%} of resident memory on node(s) {','.join(map(str, sample.nodes))}"
+        reason = f"locality: {ratio:.1%} of its anonymous memory on node(s) {','.join(map(str, sample.nodes))}"
         try:
             self.operations.start("locality", {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
                                   lambda op: self._replace(op, slot, reason))
@@ -182,6 +180,12 @@ class LocalityWatch:
 
     # ------------------------------------------------------------------- status
 
+    def summary(self) -> dict[str, Any]:
+        """What the sampling has cost so far (the supervisor's ``locality`` in status): the CPU
+        seconds of every sample, so ``rate()`` of it shows the share of a CPU against the budget."""
+        return {"samples": self.samples, "cpu_s": round(self.cost_s, 6), "cpu_budget": CPU_BUDGET,
+                "interval_s": self.ctl.cfg.placement.locality_interval, "repair": self.judge.settings.mode}
+
     def status(self, slot: SlotState) -> dict[str, Any]:
         """The slot's ``locality`` in status (and the metrics' source)."""
         seen = self.seen.get(slot.plan.slot)
@@ -190,8 +194,8 @@ class LocalityWatch:
         return {
             "nodes": list(self.own_nodes(slot)),
             "local_ratio": round(ratio, 4) if ratio is not None else None,
-            "resident_bytes": s.total_bytes if s else None,
-            "remote_bytes": s.remote_bytes if s else None,
+            "anon_bytes": s.total_bytes if s else None,
+            "remote_anon_bytes": s.remote_bytes if s else None,
             "threads": s.threads if s else None,
             "threads_off_node": s.threads_off_node if s else None,
             "sampled_s_ago": round(self.clock() - seen.at, 1) if s and seen else None,

@@ -238,6 +238,7 @@ class NumaserveCollector(Collector):
         b.snap = snap
         sections: list[Callable[[_Builder, Mapping[str, Any]], None]] = [
             self._supervisor, self._operations, self._steering, self._irq, self._accept_queue, self._templates,
+            self._locality_cost,
         ]
         for fn in sections:
             self._guard(fn, b, snap)
@@ -564,7 +565,7 @@ class NumaserveCollector(Collector):
             return
         lv = _slot_labels(s)
         b.set("numaserve_worker_memory_local_ratio",
-              "Share of the worker's resident memory on its own node (numa_maps sample)", SLOT_LABELS, lv,
+              "Share of the worker's anonymous memory (heap, stack, mappings) on its own node (numa_maps sample)", SLOT_LABELS, lv,
               _num(loc.get("local_ratio")))
         b.set("numaserve_worker_threads_off_node",
               "Worker threads whose last CPU was not one of its node's CPUs", SLOT_LABELS, lv,
@@ -574,15 +575,25 @@ class NumaserveCollector(Collector):
             b.count("numaserve_locality_repairs_total", "Locality repairs by action (placement.repair)",
                     SLOT_LABELS + ["action"], lv + [action], _num(repairs.get(action)) or 0.0)
 
+    def _locality_cost(self, b: _Builder, snap: Mapping[str, Any]) -> None:
+        """The locality watch's own cost: samples taken and the CPU seconds they took."""
+        cost = _get(snap, "supervisor", "locality")
+        if not isinstance(cost, Mapping):
+            return
+        b.count("numaserve_locality_samples_total", "Locality samples taken (numa_maps + thread CPUs)", [], [],
+                _num(cost.get("samples")))
+        b.count("numaserve_locality_sample_cpu_seconds_total",
+                "CPU time the locality samples took (budget: 1 % of one CPU)", [], [], _num(cost.get("cpu_s")))
+
     def _node_locality(self, b: _Builder, snap: Mapping[str, Any]) -> None:
-        """Per node: the share of its workers' resident memory that sits on other nodes."""
+        """Per node: the share of its workers' anonymous memory that sits on other nodes."""
         remote: dict[str, float] = {}
         total: dict[str, float] = {}
         for s in snap.get("slots") or []:
             loc = s.get("locality") if isinstance(s, Mapping) else None
             if not isinstance(loc, Mapping):
                 continue
-            r, t = _num(loc.get("remote_bytes")), _num(loc.get("resident_bytes"))
+            r, t = _num(loc.get("remote_anon_bytes")), _num(loc.get("anon_bytes"))
             if r is None or not t:
                 continue
             node = str(s.get("node"))
@@ -590,7 +601,7 @@ class NumaserveCollector(Collector):
             total[node] = total.get(node, 0.0) + t
         for node in sorted(total):
             b.set("numaserve_node_memory_remote_ratio",
-                  "Share of the node's workers' resident memory on other nodes", ["node"], [node],
+                  "Share of the node's workers' anonymous memory on other nodes", ["node"], [node],
                   remote[node] / total[node])
 
 

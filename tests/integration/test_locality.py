@@ -56,11 +56,13 @@ def test_metrics_and_status_show_locality_for_every_worker() -> None:
         repairs = {(dict(lab)["slot"], dict(lab)["action"]): v for (n, lab), v in got.items()
                    if n == "numaserve_locality_repairs_total"}
         assert repairs == {(s, a): 0.0 for s in ("0", "1") for a in ("migrate", "recycle")}
+        assert got[("numaserve_locality_samples_total", ())] >= 2
+        assert got[("numaserve_locality_sample_cpu_seconds_total", ())] > 0
         r = sup.ops("status", "--json")
         assert r.returncode == 0, r.stderr
         for s in json.loads(r.stdout)["slots"]:
             loc = s["locality"]
             assert loc["local_ratio"] >= 0.99 and loc["threads_off_node"] == 0 and loc["threads"] >= 1, loc
-            assert loc["resident_bytes"] > 0 and loc["repair"] == "off" and loc["repairs"] == {}, loc
+            assert loc["anon_bytes"] > 0 and loc["repair"] == "off" and loc["repairs"] == {}, loc
         text = sup.ops("status", "--no-json").stdout
         assert "local" in text and "100%" in text, text

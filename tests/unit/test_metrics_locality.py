@@ -23,8 +23,8 @@ def samples(snap: dict[str, Any], collector: NumaserveCollector | None = None) -
 def slot(i: int, node: int, ratio: float | None, *, off: int = 0, resident: int = 1000,
          repairs: dict[str, int] | None = None) -> dict[str, Any]:
     return {"slot": i, "node": node, "state": "ready", "locality": {
-        "local_ratio": ratio, "threads_off_node": off, "resident_bytes": resident,
-        "remote_bytes": None if ratio is None else int(resident * (1 - ratio)), "repairs": repairs or {}}}
+        "local_ratio": ratio, "threads_off_node": off, "anon_bytes": resident,
+        "remote_anon_bytes": None if ratio is None else int(resident * (1 - ratio)), "repairs": repairs or {}}}
 
 
 def test_every_worker_gets_its_ratio_threads_and_zeroed_repair_counters() -> None:
@@ -51,7 +51,7 @@ def test_no_locality_section_no_series_and_malformed_values_are_skipped() -> Non
     got = samples({"slots": [{"slot": 0, "node": 0, "state": "ready"}]})
     assert not any(k[0].startswith(("numaserve_worker_memory_local", "numaserve_locality")) for k in got)
     bad = {"slots": [{"slot": 0, "node": 0, "state": "ready", "locality": {"repairs": {"migrate": "x"},
-                                                                          "resident_bytes": "?"}}]}
+                                                                          "anon_bytes": "?"}}]}
     c = NumaserveCollector(lambda: bad)
     got = samples(bad, c)
     assert got[("numaserve_locality_repairs_total", (("action", "migrate"), ("node", "0"), ("slot", "0")))] == 0.0
@@ -66,3 +66,9 @@ def test_the_dashboard_shows_the_locality_metrics() -> None:
     for name in ("numaserve_worker_memory_local_ratio", "numaserve_worker_threads_off_node",
                  "numaserve_node_memory_remote_ratio", "numaserve_locality_repairs_total"):
         assert name in exprs, name
+
+
+def test_the_sampling_cost_is_exported_as_counters() -> None:
+    got = samples({"supervisor": {"locality": {"samples": 120, "cpu_s": 0.34, "cpu_budget": 0.01}}, "slots": []})
+    assert got[("numaserve_locality_samples_total", ())] == 120.0
+    assert got[("numaserve_locality_sample_cpu_seconds_total", ())] == 0.34
