@@ -68,22 +68,36 @@ def node_view() -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (0,), tuple(range(os.cpu_count() or 1))
 
 
-def measure(procs: list[subprocess.Popen[str]], rounds: int) -> tuple[list[float], list[float], float]:
-    """Per-sample CPU costs, per-round CPU costs and the mean resident MiB of a worker."""
+def measure(procs: list[subprocess.Popen[str]], rounds: int) -> tuple[list[list[float]], list[float], float]:
+    """Per worker its samples' CPU costs, per-round CPU costs and the mean anonymous MiB of a worker."""
     nodes, cpus = node_view()
-    samples: list[float] = []
+    costs: list[list[float]] = [[] for _ in procs]
     per_round: list[float] = []
-    resident = []
+    anon = []
     for _ in range(rounds):
         total = 0.0
-        for p in procs:
+        for i, p in enumerate(procs):
             s = sample_locality(p.pid, nodes, cpus)
-            samples.append(s.cost_s)
+            costs[i].append(s.cost_s)
             total += s.cost_s
-            resident.append(s.total_bytes / 1048576)
+            anon.append(s.total_bytes / 1048576)
         per_round.append(total)
         time.sleep(0.05)
-    return samples, per_round, statistics.fmean(resident)
+    return costs, per_round, statistics.fmean(anon)
+
+
+def cpu_share(costs: list[list[float]], base: float) -> tuple[float, float]:
+    """(median interval, CPU share) as the watch runs: each worker's next sample is spaced by
+    ``interval_for`` of its previous sample's cost, and costs the next sample's."""
+    n = len(costs)
+    share = 0.0
+    intervals = []
+    for c in costs:
+        steps = [(nxt, interval_for(base, prev, n, CPU_BUDGET)) for prev, nxt in zip(c, c[1:])] or \
+                [(c[0], interval_for(base, c[0], n, CPU_BUDGET))]
+        share += statistics.fmean(x / iv for x, iv in steps)
+        intervals += [iv for _, iv in steps]
+    return statistics.median(intervals), share
 
 
 def main() -> None:
@@ -94,7 +108,8 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=10.0, help="placement.locality_interval")
     ap.add_argument("--per-mb", default="", help="RSS sizes (MiB) for the per-MB cost, e.g. 16,64,256")
     a = ap.parse_args()
-    print(f"| workers | RSS/worker | one sample (median) | one round | interval (1 % budget) | CPU share |")
+    print("| workers | anon memory/worker | one sample (median) | one round (median) | interval (median) "
+          "| CPU share |")
     print("|---|---|---|---|---|---|")
     for n in [int(x) for x in a.workers.split(",") if x]:
         procs = start(n, a.rss_mb)
@@ -102,13 +117,13 @@ def main() -> None:
             samples, rounds, mib = measure(procs, a.rounds)
         finally:
             stop(procs)
-        one = statistics.median(samples)
+        one = statistics.median(x for c in samples for x in c)
         rnd = statistics.median(rounds)
-        interval = interval_for(a.interval, one, n, CPU_BUDGET)
+        interval, share = cpu_share(samples, a.interval)
         print(f"| {n} | {mib:.0f} MiB | {one * 1e3:.2f} ms | {rnd * 1e3:.1f} ms | {interval:.1f} s "
-              f"| {rnd / interval * 100:.3f} % |")
+              f"| {share * 100:.3f} % |")
     if a.per_mb:
-        print("\n| RSS | one sample (median) | per 100 MiB |")
+        print("\n| anon memory | one sample (median) | per 100 MiB |")
         print("|---|---|---|")
         for mb in [int(x) for x in a.per_mb.split(",") if x]:
             procs = start(1, mb)
@@ -116,7 +131,7 @@ def main() -> None:
                 samples, _, mib = measure(procs, a.rounds)
             finally:
                 stop(procs)
-            one = statistics.median(samples)
+            one = statistics.median(samples[0])
             print(f"| {mib:.0f} MiB | {one * 1e3:.2f} ms | {one * 1e3 / mib * 100:.2f} ms |")
 
 
