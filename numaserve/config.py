@@ -379,7 +379,7 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
             raise bad("cache", "deterministic_paths", p, "paths starting with / (a trailing * matches a prefix)")
     if not 0.0 < cfg.placement.repair_threshold <= 1.0:
         raise bad("placement", "repair_threshold", cfg.placement.repair_threshold,
-                  "a share of resident memory in (0, 1], e.g. 0.9")
+                  "a share of anonymous memory in (0, 1], e.g. 0.9")
     if cfg.placement.repair != "off" and not cfg.placement.locality_interval:
         raise bad("placement", "repair", cfg.placement.repair,
                   '"off" while placement.locality_interval = 0 (repair acts on the locality samples)')
