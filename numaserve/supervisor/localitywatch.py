@@ -34,6 +34,9 @@ log = structlog.get_logger("numaserve.locality")
 
 #: Fraction of one CPU all locality samples together may take (1 %).
 CPU_BUDGET = 0.01
+#: CPU seconds of sampling in one tick: workers started together fall due together, and 32 of them
+#: in one go would hold the supervision loop for ~70 ms; the rest are sampled on the next ticks.
+TICK_BUDGET_S = 0.02
 
 Sampler = Callable[[int, tuple[int, ...], tuple[int, ...]], LocalitySample]
 Migrator = Callable[[int, tuple[int, ...], tuple[int, ...]], int]
@@ -89,6 +92,7 @@ class LocalityWatch:
         if settings != self.judge.settings:      # a reload changed the repair keys
             self.judge.settings = settings
         workers = sum(1 for s in self.ctl.slots.values() if s.worker is not None)
+        spent = 0.0
         for slot in self.ctl.slots.values():
             w = slot.worker
             if w is None or w.popen.poll() is not None or (w.hello is None and not w.external):
@@ -96,15 +100,16 @@ class LocalityWatch:
             seen = self.seen.get(slot.plan.slot)
             if seen is None or seen.pid != w.pid or seen.generation != w.generation:
                 seen = self.seen[slot.plan.slot] = _Seen(w.pid, w.generation)
-            if now < seen.due:
+            if now < seen.due or spent >= TICK_BUDGET_S:
                 continue
-            self._sample(slot, w, seen, now, base, workers)
+            spent += self._sample(slot, w, seen, now, base, workers)
         live = {s.plan.slot for s in self.ctl.slots.values() if s.worker is not None}
         for n in [n for n in self.seen if n not in live]:
             del self.seen[n]
         self.judge.forget(live)
 
-    def _sample(self, slot: SlotState, w: WorkerProc, seen: _Seen, now: float, base: float, workers: int) -> None:
+    def _sample(self, slot: SlotState, w: WorkerProc, seen: _Seen, now: float, base: float, workers: int) -> float:
+        """Sample one worker, judge it, repair if due; the CPU seconds the sample took."""
         nodes = self.own_nodes(slot)
         cpus: tuple[int, ...] = ()
         for n in nodes:
@@ -114,7 +119,7 @@ class LocalityWatch:
         except (OSError, ValueError) as e:
             seen.due = now + base
             log.debug("locality_unreadable", slot=slot.plan.slot, pid=w.pid, error=str(e))
-            return
+            return 0.0
         self.cost_s += sample.cost_s
         self.samples += 1
         seen.sample, seen.at = sample, now
@@ -126,6 +131,7 @@ class LocalityWatch:
             self._migrate(slot, w, sample, now)
         elif action == "recycle":
             self._recycle(slot, w, sample)
+        return sample.cost_s
 
     # ------------------------------------------------------------------ repairs
 

@@ -158,13 +158,29 @@ def test_expensive_samples_are_spaced_to_the_cpu_budget_and_zero_interval_is_off
     lw = watch(f, world)
     for t in range(0, 31):
         lw.tick(float(t))
-    assert len(world.sampled) == 2 * 4                       # at 0, 10, 20, 30
+    # over a tick's share each: slot 0 at 0, 10, 20, 30 and slot 1 a tick later, at 1, 11, 21
+    assert len(world.sampled) == 7
     assert lw.status(f.slots[0])["interval_s"] == round(0.05 * 2 / CPU_BUDGET, 1)
     summary = lw.summary()
-    assert summary["samples"] == 8 and summary["cpu_s"] == 0.4 and summary["cpu_budget"] == CPU_BUDGET
+    assert summary["samples"] == 7 and summary["cpu_s"] == 0.35 and summary["cpu_budget"] == CPU_BUDGET
     assert summary["cpu_s"] / 30.0 <= CPU_BUDGET * 1.5        # the budget holds over the run (first round at 0)
     off = serving(1, cfg(locality_interval=0.0))
     world2 = World()
     lw2 = watch(off, world2)
     lw2.tick(1.0)
     assert world2.sampled == [] and lw2.status(off.slots[0])["local_ratio"] is None
+
+
+def test_workers_due_together_are_spread_over_ticks() -> None:
+    from numaserve.supervisor.localitywatch import TICK_BUDGET_S
+
+    f = serving(4, cfg(locality_interval=10.0))
+    world = World()
+    world.cost = TICK_BUDGET_S / 2            # two samples fill a tick's share
+    lw = watch(f, world)
+    lw.tick(1.0)
+    assert len(world.sampled) == 2
+    lw.tick(2.0)
+    assert len(world.sampled) == 4 and len(set(world.sampled)) == 4   # the other two, not the first again
+    lw.tick(3.0)
+    assert len(world.sampled) == 4
