@@ -87,6 +87,10 @@ class PlacementConfig(_Section):
     reserve_irq_cpus: int = 0
     topology_file: str = ""
     sysfs_root: str = "/"
+    locality_interval: float = 10.0
+    repair: Literal["off", "migrate", "recycle"] = "off"
+    repair_threshold: float = 0.9
+    repair_hold: int = 3
 
 
 class SupervisorConfig(_Section):
@@ -291,13 +295,14 @@ _POSITIVE = {
     ("supervisor", "backoff_max"), ("supervisor", "crash_loop_limit"),
     ("supervisor", "crash_loop_window"), ("supervisor", "stop_timeout"),
     ("supervisor", "failed_retry_interval"), ("cmd", "probe_timeout"), ("cmd", "probe_interval"),
+    ("placement", "repair_hold"),
 }
 _NON_NEGATIVE = {
     ("framing", "idle_timeout"), ("cache", "ttl"), ("allocator", "malloc_arena_max"),
     ("server", "graceful_timeout"), ("server", "lb_grace"), ("server", "keepalive_timeout"), ("server", "max_connections"),
     ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
-    ("supervisor", "unresponsive_after"),
+    ("supervisor", "unresponsive_after"), ("placement", "locality_interval"),
 }
 _NON_NEGATIVE |= {("worker", "max_requests"), ("worker", "max_requests_jitter"), ("worker", "max_lifetime")}
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")
@@ -381,6 +386,12 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     for p in cfg.cache.deterministic_paths:
         if not p.startswith("/"):
             raise bad("cache", "deterministic_paths", p, "paths starting with / (a trailing * matches a prefix)")
+    if not 0.0 < cfg.placement.repair_threshold <= 1.0:
+        raise bad("placement", "repair_threshold", cfg.placement.repair_threshold,
+                  "a share of anonymous memory in (0, 1], e.g. 0.9")
+    if cfg.placement.repair != "off" and not cfg.placement.locality_interval:
+        raise bad("placement", "repair", cfg.placement.repair,
+                  '"off" while placement.locality_interval = 0 (repair acts on the locality samples)')
     wpn = cfg.placement.workers_per_node
     if wpn != "auto" and wpn < 1:
         raise bad("placement", "workers_per_node", wpn, 'an integer >= 1 or "auto"')

@@ -40,6 +40,7 @@ __all__ = [
     "set_cpu_affinity",
     "get_cpu_affinity",
     "libnuma_available",
+    "migrate_pages",
 ]
 
 # <linux/mempolicy.h>
@@ -74,8 +75,8 @@ _MASK_MODES = frozenset({"preferred", "bind", "interleave", "preferred_many", "w
 
 # Syscall numbers: <asm/unistd_64.h> (x86_64) and the generic table (aarch64).
 _SYSCALLS: dict[str, dict[str, int]] = {
-    "x86_64": {"mbind": 237, "set_mempolicy": 238, "get_mempolicy": 239},
-    "aarch64": {"mbind": 235, "set_mempolicy": 237, "get_mempolicy": 236},
+    "x86_64": {"mbind": 237, "set_mempolicy": 238, "get_mempolicy": 239, "migrate_pages": 256},
+    "aarch64": {"mbind": 235, "set_mempolicy": 237, "get_mempolicy": 236, "migrate_pages": 238},
 }
 _MAX_NODE = 1 << 15  # kernel refuses maxnode > PAGE_SIZE*8; anything near is a typo
 _ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
@@ -318,6 +319,36 @@ def set_cpu_affinity(cpus: Iterable[int]) -> None:
 def get_cpu_affinity() -> tuple[int, ...]:
     """The calling thread's CPU affinity, sorted."""
     return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def migrate_pages(pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int:
+    """Move process ``pid``'s pages on ``from_nodes`` to ``to_nodes`` (``migrate_pages(2)``).
+
+    Whole process, every VMA: how a worker whose pages drifted to another node
+    is repaired without a restart.  Its own memory policy keeps new pages
+    where they belong; this moves the old ones back.  Returns the number of
+    pages the kernel could not move (shared pages of another process stay
+    put without CAP_SYS_NICE).  Bad input → ValueError; a kernel refusal →
+    OSError naming the pid, the nodes and why.
+    """
+    old = sorted({_check_node(n) for n in from_nodes})
+    new = sorted({_check_node(n) for n in to_nodes})
+    if not old or not new:
+        raise ValueError("migrate_pages: needs at least one node to move from and one to move to")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise ValueError(f"migrate_pages: bad pid {pid!r}")
+    nrs = syscall_numbers()
+    bits = nodemask_bits(old + new)
+    libc = _libc()
+    rc = libc.syscall(
+        ctypes.c_long(nrs["migrate_pages"]), ctypes.c_int(pid), ctypes.c_ulong(bits),
+        _make_mask(old, bits), _make_mask(new, bits),
+    )
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"migrate_pages(pid {pid}, nodes {_format_list(old)} -> {_format_list(new)}): "
+                           f"{os.strerror(err)}")
+    return int(rc)
 
 
 def libnuma_available() -> bool:

@@ -37,6 +37,7 @@ __all__ = [
     "read_numa_maps",
     "read_placement",
     "read_node_pages",
+    "ANON_KINDS",
     "PlacementReader",
     "expected_policy",
     "policy_matches",
@@ -266,9 +267,17 @@ def _thread(tid: int, st: dict[str, str], policy: str | None, perr: str | None,
     return ThreadPlacement(tid, st.get("Name", "?"), cpus, policy, mems, perr)
 
 
-def read_node_pages(pid: int, proc_root: str = "/proc") -> tuple[dict[int, int], dict[int, int]]:
+#: VMA kinds of a process's own anonymous memory (no file behind them): what it allocated itself.
+ANON_KINDS = frozenset({"heap", "stack", "anon", "huge"})
+
+
+def read_node_pages(pid: int, proc_root: str = "/proc", *,
+                    anon_only: bool = False) -> tuple[dict[int, int], dict[int, int]]:
     """(pages, bytes) per node over the whole ``/proc/PID/numa_maps`` ({} when unreadable).
 
+    ``anon_only``: only VMAs without a file (heap, stack, anonymous mappings,
+    anonymous huge pages): the memory the process allocated, not the shared
+    libraries and page cache it maps, which sit wherever they were first read.
     The most expensive read here (the kernel walks every VMA's page tables):
     callers that re-check often refresh it rarely (``PlacementReader``).
     """
@@ -276,6 +285,8 @@ def read_node_pages(pid: int, proc_root: str = "/proc") -> tuple[dict[int, int],
     nbytes: dict[int, int] = {}
     try:
         for v in parse_numa_maps(_read(os.path.join(proc_root, str(pid), "numa_maps"))):
+            if anon_only and (v.file is not None or v.kind not in ANON_KINDS):
+                continue
             for n, c in v.pages.items():
                 pages[n] = pages.get(n, 0) + c
                 nbytes[n] = nbytes.get(n, 0) + c * v.page_size_kb * 1024

@@ -115,6 +115,8 @@ _STATUS_COLUMNS = (  # natural order; priority: what stays on the slot's line at
     Column("requests", "requests", 4, right=True, short="reqs"),
     Column("inflight", "inflight", 4, right=True, short="infl"),
     Column("reason", "reason", 12),
+    Column("local", "local mem", 10, right=True, short="local"),
+    Column("offnode", "threads off node", 13, right=True, short="off", quiet=("", "-", "0")),
 )
 
 
@@ -127,6 +129,15 @@ def _duration(seconds: float) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.1f}h"
     return f"{seconds / 86400:.0f}d"
+
+
+def _locality_cells(s: dict[str, Any]) -> dict[str, str]:
+    """``local`` (share of its anonymous memory on the slot's node) and ``offnode`` (threads last run
+    on another node's CPUs) from the slot's ``locality`` sample; "-" before the first sample."""
+    loc = s.get("locality") or {}
+    ratio, off = loc.get("local_ratio"), loc.get("threads_off_node")
+    local = "-" if ratio is None else ("100%" if ratio >= 1 else f"{min(ratio * 100, 99.9):.1f}%")
+    return {"local": local, "offnode": "-" if off is None else str(off)}
 
 
 def status_lines(data: dict[str, Any], width: int) -> list[str]:
@@ -147,6 +158,7 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
             "rss": _mb(s["rss_bytes"]), "up": _duration(s["uptime_s"]), "restarts": str(s["restarts"]),
             "requests": str(s["requests"]), "inflight": str(s["inflight"]),
             "reason": s["failed_reason"] or s["last_restart_reason"] or "",
+            **_locality_cells(s),
         })
     out += fit_table(_STATUS_COLUMNS, rows, width)
     from numaserve.cli.template_view import template_lines
@@ -500,6 +512,8 @@ class TopView:
                 "queued": s.get("queued", 0), "shed": s.get("shed", 0), "rss_bytes": s.get("rss_bytes"),
                 "rss_trend_mb_min": None if trend is None else round(trend, 2),
                 "limits": extra,
+                "local_ratio": (s.get("locality") or {}).get("local_ratio"),
+                "threads_off_node": (s.get("locality") or {}).get("threads_off_node"),
             })
         return out
 
@@ -526,6 +540,8 @@ class TopView:
                 "p50": _fmt(r["p50_ms"]), "p99": _fmt(r["p99_ms"]), "inflight": str(r["inflight"] or 0),
                 "queued": str(r["queued"] or 0), "shed": str(r["shed"] or 0), "rss": _mb(r["rss_bytes"]),
                 "trend": "-" if trend is None else f"{trend:+.1f}M/min", "limit": "-" if lim is None else str(lim),
+                **_locality_cells({"locality": {"local_ratio": r["local_ratio"],
+                                                "threads_off_node": r["threads_off_node"]}}),
             })
         return wrap_parts([title], width) + fit_table(_TOP_COLUMNS, rows, width, details=False)
 
@@ -550,6 +566,8 @@ _TOP_COLUMNS = (
     Column("rss", "rss", 10, right=True),
     Column("trend", "rss trend", 11, right=True, short="trend"),
     Column("limit", "limit", 13, right=True, short="lim"),
+    Column("local", "local mem", 14, right=True, short="local"),
+    Column("offnode", "threads off node", 15, right=True, short="off", quiet=("", "-", "0")),
 )
 
 

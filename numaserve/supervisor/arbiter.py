@@ -61,6 +61,7 @@ from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.supervisor.lbgrace import ProbeClock
 from numaserve.supervisor.leakwatch import LeakWatch
 from numaserve.supervisor.agerecycle import AgeRecycle
+from numaserve.supervisor.localitywatch import LocalityWatch
 from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-exported)
     EXIT_ERROR,
     EXIT_FORCED,
@@ -150,6 +151,7 @@ class Supervisor:
         self.templates = TemplateManager(self)            # per-node warm templates ([worker] start = "fork")
         self.leakwatch = LeakWatch(self, self.operations)
         self.agerecycle = AgeRecycle(self, self.operations)   # worker.max_requests / max_lifetime
+        self.locality = LocalityWatch(self, self.operations, self._node_cpus)   # [placement] locality/repair
         self._last_mem = 0.0
         self.listeners = ListenerSet()
         self.steering: Steering | None = None
@@ -390,6 +392,7 @@ class Supervisor:
             self._last_mem = now
             self.leakwatch.tick(now)
             self.agerecycle.tick(now)
+            self.locality.tick(now)
             if self.fdwatch is not None:
                 self.fdwatch.tick()
 
@@ -660,6 +663,7 @@ class Supervisor:
             d["shed"] = st.shed if st else 0
             d["limits"] = self.limits.status(slot)
             d["memory"] = self.leakwatch.status(slot)
+            d["locality"] = self.locality.status(slot)
             extra = st.extra if st else {}
             d["condition"] = "degraded (fd limit)" if extra.get("fd_limited") else None
             d["fds"] = ({k: extra.get(k) for k in ("fds_open", "fd_limit", "accept_errors", "fd_limit_hits")}
@@ -971,6 +975,7 @@ class Supervisor:
                 "control_plane": self._control_plane_status(),
                 "steering": self._steering_status(),
                 "rescue": self.rescuer.status(),
+                "locality": self.locality.summary(),
                 "admin": self.admin.address if self.admin else None,
                 "irq": self.irq_status,
                 "app": self.cfg.server.app or ("" if self.cfg.server.cmd else "numaserve.apps.demo:app"),

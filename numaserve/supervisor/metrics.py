@@ -64,6 +64,8 @@ EXIT_KINDS: tuple[str, ...] = ("external", "crash", "boot", "hang")
 STATUS_CLASSES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx")
 LEAK_VERDICTS: tuple[str, ...] = ("ok", "warming", "suspect", "leak", "soft_cap", "hard_cap")
 STEERING_MODES: tuple[str, ...] = ("hash", "numa")
+#: ``placement.repair`` actions, pre-initialised to 0 so the first repair is a visible increase.
+LOCALITY_REPAIRS: tuple[str, ...] = ("migrate", "recycle")
 
 SLOT_LABELS = ["slot", "node"]
 
@@ -236,14 +238,16 @@ class NumaserveCollector(Collector):
         b.snap = snap
         sections: list[Callable[[_Builder, Mapping[str, Any]], None]] = [
             self._supervisor, self._operations, self._steering, self._irq, self._accept_queue, self._templates,
+            self._locality_cost,
         ]
         for fn in sections:
             self._guard(fn, b, snap)
         for s in snap.get("slots") or []:
             if isinstance(s, Mapping):
                 for fn in (self._slot_basic, self._slot_requests, self._slot_admission, self._slot_limits,
-                           self._slot_memory, self._slot_leak):
+                           self._slot_memory, self._slot_leak, self._slot_locality):
                     self._guard(fn, b, s)
+        self._guard(self._node_locality, b, snap)
         b.count("numaserve_metrics_errors_total", "Snapshot sections that could not be turned into metrics",
                 [], [], float(self.errors))
         yield from (f for f in b.families.values() if f.samples)  # absent data: no empty family
@@ -553,6 +557,52 @@ class NumaserveCollector(Collector):
                 b.one_hot("numaserve_leak_verdict", "Leak detector verdict (1 for the current one)", SLOT_LABELS,
                           lv, "verdict", LEAK_VERDICTS, verdict)
             return
+
+    def _slot_locality(self, b: _Builder, s: Mapping[str, Any]) -> None:
+        """The locality watch's last sample (``locality``) and its repairs, counted per action."""
+        loc = s.get("locality")
+        if not isinstance(loc, Mapping):
+            return
+        lv = _slot_labels(s)
+        b.set("numaserve_worker_memory_local_ratio",
+              "Share of the worker's anonymous memory (heap, stack, mappings) on its own node (numa_maps sample)", SLOT_LABELS, lv,
+              _num(loc.get("local_ratio")))
+        b.set("numaserve_worker_threads_off_node",
+              "Worker threads whose last CPU was not one of its node's CPUs", SLOT_LABELS, lv,
+              _num(loc.get("threads_off_node")))
+        repairs = loc.get("repairs") if isinstance(loc.get("repairs"), Mapping) else {}
+        for action in sorted(set(LOCALITY_REPAIRS) | {str(k) for k in repairs}):
+            b.count("numaserve_locality_repairs_total", "Locality repairs by action (placement.repair)",
+                    SLOT_LABELS + ["action"], lv + [action], _num(repairs.get(action)) or 0.0)
+
+    def _locality_cost(self, b: _Builder, snap: Mapping[str, Any]) -> None:
+        """The locality watch's own cost: samples taken and the CPU seconds they took."""
+        cost = _get(snap, "supervisor", "locality")
+        if not isinstance(cost, Mapping):
+            return
+        b.count("numaserve_locality_samples_total", "Locality samples taken (numa_maps + thread CPUs)", [], [],
+                _num(cost.get("samples")))
+        b.count("numaserve_locality_sample_cpu_seconds_total",
+                "CPU time the locality samples took (budget: 1 % of one CPU)", [], [], _num(cost.get("cpu_s")))
+
+    def _node_locality(self, b: _Builder, snap: Mapping[str, Any]) -> None:
+        """Per node: the share of its workers' anonymous memory that sits on other nodes."""
+        remote: dict[str, float] = {}
+        total: dict[str, float] = {}
+        for s in snap.get("slots") or []:
+            loc = s.get("locality") if isinstance(s, Mapping) else None
+            if not isinstance(loc, Mapping):
+                continue
+            r, t = _num(loc.get("remote_anon_bytes")), _num(loc.get("anon_bytes"))
+            if r is None or not t:
+                continue
+            node = str(s.get("node"))
+            remote[node] = remote.get(node, 0.0) + r
+            total[node] = total.get(node, 0.0) + t
+        for node in sorted(total):
+            b.set("numaserve_node_memory_remote_ratio",
+                  "Share of the node's workers' anonymous memory on other nodes", ["node"], [node],
+                  remote[node] / total[node])
 
 
 def make_registry(collector: Collector) -> Any:

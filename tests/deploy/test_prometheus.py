@@ -107,3 +107,15 @@ def test_every_metric_an_alert_uses_is_exported() -> None:
         assert set(reason.split("|")) <= set(RESTART_REASONS), reason
     for state in re.findall(r'state="([^"]+)"', exprs):
         assert state in SLOT_STATES or state in SUPERVISOR_STATES, state
+
+
+@needs_promtool
+def test_promtool_test_would_catch_a_changed_locality_threshold(tmp_path: Path) -> None:
+    """The locality alert's unit test pins its threshold: at 0.6 the 62 % worker would not alert."""
+    text = (PROM / "alerts.yml").read_text().replace("numaserve_worker_memory_local_ratio < 0.9",
+                                                      "numaserve_worker_memory_local_ratio < 0.6")
+    (tmp_path / "alerts.yml").write_text(text)
+    shutil.copy(PROM / "alerts.test.yml", tmp_path / "alerts.test.yml")
+    r = subprocess.run([PROMTOOL, "test", "rules", "alerts.test.yml"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode != 0 and "NumaserveMemoryLocalityLow" in r.stdout + r.stderr

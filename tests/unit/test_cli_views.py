@@ -104,3 +104,20 @@ def test_operation_without_wait_shows_the_outcome(capsys: pytest.CaptureFixture[
         show_operation(op("failed", "slot 1 not ready"), as_json=False)
     show_operation(op("running", ""), as_json=False)
     assert "--wait" in capsys.readouterr().out
+
+
+def test_status_and_top_show_the_local_memory_share_and_threads_off_node() -> None:
+    drifted = slot(1, locality={"local_ratio": 0.7234, "threads_off_node": 2})
+    data = status(slot(0, locality={"local_ratio": 1.0, "threads_off_node": 0}), drifted, slot(2))
+    lines = status_lines(data, 240)
+    header = lines[1].split()
+    assert "local" in " ".join(header) and "off node" in lines[1]
+    rows = {int(line[:4]): line for line in lines[2:5]}
+    assert "100%" in rows[0] and "72.3%" in rows[1] and rows[2].rstrip().endswith("-")
+    assert rows[1].rstrip().endswith("2")
+    assert all(len(line) <= 80 for line in status_lines(data, 80))
+    view = TopView()
+    view.update({"ts": 1.0, "state": "running", "slots": [dict(drifted, latency_ms={}, rss_bytes=1)]})
+    row = view.rows()[0]
+    assert row["local_ratio"] == 0.7234 and row["threads_off_node"] == 2
+    assert "72.3%" in "\n".join(view.lines(200))

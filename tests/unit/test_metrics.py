@@ -72,6 +72,8 @@ def full_snapshot() -> dict[str, Any]:
               leak={"verdict": "suspect", "slope_bytes_per_1000_requests": 2.5e6, "slope_per_minute": 6.0e5})
     s0["totals"]["connections"] = {"local": 90, "remote": 10}
     s0["totals"]["locality_share"] = 0.9
+    s0["locality"] = {"local_ratio": 0.97, "threads_off_node": 1, "anon_bytes": 40_000_000,
+                      "remote_anon_bytes": 1_200_000, "repairs": {"migrate": 1}}
     # slot 1: no supervisor limits yet; the worker's gate says what it applies
     s1 = slot(1, 1, queued=0, shed=5,
               memory={"remote_share": 0.5, "uss_bytes": None, "pss_bytes": 31_000_000, "verdict": "ok",

@@ -131,8 +131,10 @@ def test_decode_mode_masks_flags() -> None:
 
 
 def test_syscall_numbers_per_arch() -> None:
-    assert numa.syscall_numbers("x86_64") == {"mbind": 237, "set_mempolicy": 238, "get_mempolicy": 239}
-    assert numa.syscall_numbers("aarch64") == {"mbind": 235, "set_mempolicy": 237, "get_mempolicy": 236}
+    assert numa.syscall_numbers("x86_64") == {"mbind": 237, "set_mempolicy": 238, "get_mempolicy": 239,
+                                            "migrate_pages": 256}
+    assert numa.syscall_numbers("aarch64") == {"mbind": 235, "set_mempolicy": 237, "get_mempolicy": 236,
+                                             "migrate_pages": 238}
     with pytest.raises(numa.UnsupportedArchitecture, match="riscv64.*refusing to guess") as ei:
         numa.syscall_numbers("riscv64")
     assert ei.value.errno == errno.ENOSYS

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAB_SCRIPT = REPO.parent / "shared" / "lab" / "numa-vm" / "run-in-numa-vm.sh"
+# NUMASERVE_NUMA_LAB: the lab script's path when the checkout is not beside ``shared/`` (a git worktree)
+LAB_SCRIPT = Path(os.environ.get("NUMASERVE_NUMA_LAB") or REPO.parent / "shared" / "lab" / "numa-vm" / "run-in-numa-vm.sh")
 
 
 def skip_marks() -> list[pytest.MarkDecorator]:

@@ -1,0 +1,213 @@
+"""Locality watch: sample every serving worker's page and thread locality, repair drift.
+
+Each worker is sampled every ``placement.locality_interval`` seconds
+(``bind.locality.sample_locality``), later when its samples cost more than
+its share of ``CPU_BUDGET`` (``loops.locality.interval_for``).  The sample
+goes into the worker's status (``locality``) and the metrics.  With
+``placement.repair`` on, ``loops.locality.LocalityJudge`` decides from the
+samples, and this shell carries it out: ``migrate`` moves the worker's pages
+from the other nodes back to its own (``bind.numa.migrate_pages``, the
+worker keeps serving), ``recycle`` replaces the worker make-before-break as a
+tracked operation (``Operations.replace_slot``, the leak recycle's path).
+Every repair is logged and counted per slot and action (across generations).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import structlog
+
+from numaserve.bind.locality import LocalitySample, sample_locality
+from numaserve.bind.numa import migrate_pages
+from numaserve.loops.locality import LocalityJudge, RepairSettings, interval_for
+from numaserve.supervisor.operations import Operations
+from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slots import SlotState, WorkerProc
+
+__all__ = ["CPU_BUDGET", "LocalityWatch"]
+
+log = structlog.get_logger("numaserve.locality")
+
+#: Fraction of one CPU all locality samples together may take (1 %).
+CPU_BUDGET = 0.01
+#: CPU seconds of sampling in one tick: workers started together fall due together, and 32 of them
+#: in one go would hold the supervision loop for ~70 ms; the rest are sampled on the next ticks.
+TICK_BUDGET_S = 0.02
+
+Sampler = Callable[[int, tuple[int, ...], tuple[int, ...]], LocalitySample]
+Migrator = Callable[[int, tuple[int, ...], tuple[int, ...]], int]
+
+
+@dataclass
+class _Seen:
+    """The last sample of a slot's current worker and when the next one is due."""
+
+    pid: int
+    generation: int
+    sample: LocalitySample | None = None
+    at: float = 0.0
+    due: float = 0.0
+    interval: float = 0.0
+
+
+class LocalityWatch:
+    """Owns the locality samples and repairs; the supervisor calls ``tick`` about once a second."""
+
+    def __init__(self, ctl: SlotControl, operations: Operations, node_cpus: Callable[[int], tuple[int, ...]], *,
+                 sampler: Sampler = sample_locality, migrator: Migrator = migrate_pages,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ctl = ctl
+        self.operations = operations
+        self.node_cpus = node_cpus
+        self.sampler = sampler
+        self.migrator = migrator
+        self.clock = clock
+        self.seen: dict[int, _Seen] = {}
+        self.judge = LocalityJudge(self._settings())
+        self.repairs: dict[int, dict[str, int]] = {}            # slot -> action -> count (all generations)
+        self.history: dict[int, deque[dict[str, Any]]] = {}     # slot -> the last repairs
+        self.cost_s = 0.0                                         # CPU time of every sample taken
+        self.samples = 0
+
+    def _settings(self) -> RepairSettings:
+        p = self.ctl.cfg.placement
+        return RepairSettings(p.repair, p.repair_threshold, p.repair_hold)
+
+    @staticmethod
+    def own_nodes(slot: SlotState) -> tuple[int, ...]:
+        """The nodes a slot's pages belong on: its memory nodes, or its node under "local"."""
+        return tuple(slot.plan.memory_nodes) or (slot.plan.node,)
+
+    # ----------------------------------------------------------------- sampling
+
+    def tick(self, now: float) -> None:
+        base = self.ctl.cfg.placement.locality_interval
+        if base <= 0 or self.ctl.stopping:
+            return
+        settings = self._settings()
+        if settings != self.judge.settings:      # a reload changed the repair keys
+            self.judge.settings = settings
+        workers = sum(1 for s in self.ctl.slots.values() if s.worker is not None)
+        spent = 0.0
+        for slot in self.ctl.slots.values():
+            w = slot.worker
+            if w is None or w.popen.poll() is not None or (w.hello is None and not w.external):
+                continue
+            seen = self.seen.get(slot.plan.slot)
+            if seen is None or seen.pid != w.pid or seen.generation != w.generation:
+                seen = self.seen[slot.plan.slot] = _Seen(w.pid, w.generation)
+            if now < seen.due or spent >= TICK_BUDGET_S:
+                continue
+            spent += self._sample(slot, w, seen, now, base, workers)
+        live = {s.plan.slot for s in self.ctl.slots.values() if s.worker is not None}
+        for n in [n for n in self.seen if n not in live]:
+            del self.seen[n]
+        self.judge.forget(live)
+
+    def _sample(self, slot: SlotState, w: WorkerProc, seen: _Seen, now: float, base: float, workers: int) -> float:
+        """Sample one worker, judge it, repair if due; the CPU seconds the sample took."""
+        nodes = self.own_nodes(slot)
+        cpus: tuple[int, ...] = ()
+        for n in nodes:
+            cpus += self.node_cpus(n)
+        try:
+            sample = self.sampler(w.pid, nodes, cpus or tuple(slot.plan.cpus))
+        except (OSError, ValueError) as e:
+            seen.due = now + base
+            log.debug("locality_unreadable", slot=slot.plan.slot, pid=w.pid, error=str(e))
+            return 0.0
+        self.cost_s += sample.cost_s
+        self.samples += 1
+        seen.sample, seen.at = sample, now
+        seen.interval = interval_for(base, sample.cost_s, workers, CPU_BUDGET)
+        seen.due = now + seen.interval
+        ratio = sample.local_ratio
+        action = self.judge.observe(slot.plan.slot, w.generation, ratio)
+        if action == "migrate":
+            self._migrate(slot, w, sample, now)
+        elif action == "recycle":
+            self._recycle(slot, w, sample)
+        return sample.cost_s
+
+    # ------------------------------------------------------------------ repairs
+
+    def _record(self, slot: SlotState, w: WorkerProc, action: str, sample: LocalitySample, **fields: Any) -> None:
+        counts = self.repairs.setdefault(slot.plan.slot, {})
+        counts[action] = counts.get(action, 0) + 1
+        entry = {"action": action, "pid": w.pid, "generation": w.generation,
+                 "local_ratio": round(sample.local_ratio or 0.0, 4), "at": time.time(), **fields}
+        self.history.setdefault(slot.plan.slot, deque(maxlen=5)).append(entry)
+        self.judge.repaired(slot.plan.slot)
+
+    def _migrate(self, slot: SlotState, w: WorkerProc, sample: LocalitySample, now: float) -> None:
+        src = sample.remote_nodes()
+        if not src:
+            return
+        t0 = time.monotonic()
+        try:
+            left = self.migrator(w.pid, src, sample.nodes)
+        except (OSError, ValueError) as e:
+            log.error("locality_repair_failed", slot=slot.plan.slot, pid=w.pid, action="migrate",
+                      local_ratio=round(sample.local_ratio or 0.0, 4), error=str(e))
+            self._record(slot, w, "migrate", sample, result="failed", error=str(e))
+            return
+        took = round(time.monotonic() - t0, 4)
+        log.warning("locality_repair", slot=slot.plan.slot, pid=w.pid, action="migrate",
+                    local_ratio=round(sample.local_ratio or 0.0, 4), from_nodes=list(src),
+                    to_nodes=list(sample.nodes), pages_not_moved=left, seconds=took)
+        self._record(slot, w, "migrate", sample, result="ok", pages_not_moved=left, seconds=took)
+        self.seen[slot.plan.slot].due = now   # measure the result on the next tick
+
+    def _recycle(self, slot: SlotState, w: WorkerProc, sample: LocalitySample) -> None:
+        cur = self.operations.current
+        if cur is not None and cur.state == "running":
+            log.info("locality_repair_deferred", slot=slot.plan.slot, pid=w.pid, action="recycle",
+                     why=f"operation {cur.id} running")
+            return
+        ratio = round(sample.local_ratio or 0.0, 4)
+        reason = f"locality: {ratio:.1%} of its anonymous memory on node(s) {','.join(map(str, sample.nodes))}"
+        try:
+            self.operations.start("locality", {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
+                                  lambda op: self._replace(op, slot, reason))
+        except Exception as e:  # another operation won the race: asked again on the next low sample
+            log.info("locality_repair_deferred", slot=slot.plan.slot, pid=w.pid, action="recycle", why=str(e))
+            return
+        log.warning("locality_repair", slot=slot.plan.slot, pid=w.pid, action="recycle", local_ratio=ratio)
+        self._record(slot, w, "recycle", sample, result="started")
+
+    async def _replace(self, op: Any, slot: SlotState, reason: str) -> str:
+        slot.last_restart_reason = reason
+        await self.operations.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
+        return f"slot {slot.plan.slot} recycled ({reason})"
+
+    # ------------------------------------------------------------------- status
+
+    def summary(self) -> dict[str, Any]:
+        """What the sampling has cost so far (the supervisor's ``locality`` in status): the CPU
+        seconds of every sample, so ``rate()`` of it shows the share of a CPU against the budget."""
+        return {"samples": self.samples, "cpu_s": round(self.cost_s, 6), "cpu_budget": CPU_BUDGET,
+                "interval_s": self.ctl.cfg.placement.locality_interval, "repair": self.judge.settings.mode}
+
+    def status(self, slot: SlotState) -> dict[str, Any]:
+        """The slot's ``locality`` in status (and the metrics' source)."""
+        seen = self.seen.get(slot.plan.slot)
+        s = seen.sample if seen else None
+        ratio = s.local_ratio if s else None
+        return {
+            "nodes": list(self.own_nodes(slot)),
+            "local_ratio": round(ratio, 4) if ratio is not None else None,
+            "anon_bytes": s.total_bytes if s else None,
+            "remote_anon_bytes": s.remote_bytes if s else None,
+            "threads": s.threads if s else None,
+            "threads_off_node": s.threads_off_node if s else None,
+            "sampled_s_ago": round(self.clock() - seen.at, 1) if s and seen else None,
+            "interval_s": round(seen.interval, 1) if s and seen else None,
+            "low_samples": self.judge.low_samples(slot.plan.slot),
+            "repair": self.judge.settings.mode,
+            "repairs": dict(self.repairs.get(slot.plan.slot, {})),
+            "last_repairs": list(self.history.get(slot.plan.slot, ())),
+        }

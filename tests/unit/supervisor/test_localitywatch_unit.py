@@ -1,0 +1,186 @@
+"""The locality watch against a fake SlotControl: injected samples, a recorded migrator (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from slotfakes import FakeSlots, held_operation
+
+from numaserve.bind.locality import LocalitySample
+from numaserve.config import Config
+from numaserve.supervisor import slots as S
+from numaserve.supervisor.localitywatch import CPU_BUDGET, LocalityWatch
+from numaserve.supervisor.operations import Operations
+
+
+def cfg(**placement: Any) -> Config:
+    c = Config()
+    return msgspec.structs.replace(c, placement=msgspec.structs.replace(c.placement, **placement))
+
+
+def serving(n: int, c: Config) -> FakeSlots:
+    f = FakeSlots(n, cfg=c, nodes=2, auto_ready=False)
+    for slot in f.slots.values():
+        f.life.start_worker(slot, 0.0)
+        f.life.on_ready(slot, slot.worker, 0.5)
+    f.auto_ready = True
+    return f
+
+
+class World:
+    """Per pid: the local share the sampler reports (bytes on its node vs node 1 - its node)."""
+
+    def __init__(self) -> None:
+        self.ratio: dict[int, float] = {}
+        self.cost = 0.0001
+        self.sampled: list[int] = []
+        self.migrated: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        self.fail: OSError | None = None
+
+    def sample(self, pid: int, nodes: tuple[int, ...], cpus: tuple[int, ...]) -> LocalitySample:
+        self.sampled.append(pid)
+        r = self.ratio.get(pid, 1.0)
+        other = 1 - nodes[0]
+        return LocalitySample(pid, nodes, {nodes[0]: int(1000 * r), other: 1000 - int(1000 * r)},
+                              threads=4, threads_off_node=1 if r < 1 else 0, cost_s=self.cost)
+
+    def migrate(self, pid: int, src: tuple[int, ...], dst: tuple[int, ...]) -> int:
+        if self.fail:
+            raise self.fail
+        self.migrated.append((pid, src, dst))
+        self.ratio[pid] = 1.0
+        return 0
+
+
+def watch(f: FakeSlots, world: World, ops: Operations | None = None) -> LocalityWatch:
+    return LocalityWatch(f, ops or Operations(f), lambda node: (node * 2, node * 2 + 1),
+                         sampler=world.sample, migrator=world.migrate, clock=lambda: 100.0)
+
+
+def test_samples_show_in_status_and_off_never_repairs() -> None:
+    f = serving(2, cfg(locality_interval=1.0))
+    world = World()
+    lw = watch(f, world)
+    w0 = f.slots[0].worker
+    world.ratio[w0.pid] = 0.25
+    for t in range(1, 10):
+        lw.tick(float(t))
+    st = lw.status(f.slots[0])
+    assert st["local_ratio"] == 0.25 and st["threads_off_node"] == 1 and st["threads"] == 4
+    assert st["anon_bytes"] == 1000 and st["remote_anon_bytes"] == 750 and st["nodes"] == [0]
+    assert st["low_samples"] == 9 and st["repair"] == "off" and st["repairs"] == {}
+    assert world.migrated == []
+    assert lw.status(f.slots[1])["local_ratio"] == 1.0
+
+
+def test_migrate_after_the_hold_moves_pages_back_and_counts_it() -> None:
+    f = serving(2, cfg(locality_interval=1.0, repair="migrate", repair_threshold=0.9, repair_hold=3))
+    world = World()
+    lw = watch(f, world)
+    w1 = f.slots[1].worker            # slot 1 is on node 1 (FakeSlots spreads slots over the nodes)
+    world.ratio[w1.pid] = 0.5
+    lw.tick(1.0)
+    lw.tick(2.0)
+    assert world.migrated == []
+    lw.tick(3.0)
+    assert world.migrated == [(w1.pid, (0,), (1,))]
+    st = lw.status(f.slots[1])
+    assert st["repairs"] == {"migrate": 1} and st["last_repairs"][0]["result"] == "ok"
+    assert st["last_repairs"][0]["local_ratio"] == 0.5 and st["low_samples"] == 0
+    lw.tick(3.5)                      # the result is measured on the next tick, not an interval later
+    assert lw.status(f.slots[1])["local_ratio"] == 1.0
+    for t in range(4, 20):
+        lw.tick(float(t))
+    assert len(world.migrated) == 1
+
+
+def test_a_failed_migrate_is_counted_with_its_error() -> None:
+    f = serving(1, cfg(locality_interval=1.0, repair="migrate", repair_hold=1))
+    world = World()
+    world.fail = PermissionError(1, "migrate_pages(pid 1, nodes 1 -> 0): Operation not permitted")
+    lw = watch(f, world)
+    world.ratio[f.slots[0].worker.pid] = 0.1
+    lw.tick(1.0)
+    st = lw.status(f.slots[0])
+    assert st["repairs"] == {"migrate": 1}
+    assert st["last_repairs"][0]["result"] == "failed" and "not permitted" in st["last_repairs"][0]["error"]
+
+
+def test_recycle_replaces_the_worker_make_before_break() -> None:
+    async def main() -> None:
+        f = serving(1, cfg(locality_interval=1.0, repair="recycle", repair_hold=2))
+        ops = Operations(f)
+        world = World()
+        lw = watch(f, world, ops)
+        world.ratio[f.slots[0].worker.pid] = 0.3
+        lw.tick(1.0)
+        assert ops.current is None
+        lw.tick(2.0)
+        op = ops.current
+        assert op is not None and op.kind == "locality" and op.args["reason"].startswith("locality: 30.0%")
+        await asyncio.wait_for(op.done.wait(), 5)
+        assert op.state == "succeeded", op.result
+        assert f.slots[0].worker.generation == 2 and f.slots[0].state == S.READY
+        assert f.calls.index(("mark_ready", 0)) < f.calls.index(("drain", 0, 1))
+        assert lw.status(f.slots[0])["repairs"] == {"recycle": 1}
+        lw.tick(3.0)                   # the new generation: sampled afresh, all local
+        assert lw.status(f.slots[0])["local_ratio"] == 1.0 and lw.status(f.slots[0])["low_samples"] == 0
+
+    asyncio.run(main())
+
+
+def test_recycle_waits_for_a_running_operation_then_happens() -> None:
+    async def main() -> None:
+        f = serving(1, cfg(locality_interval=1.0, repair="recycle", repair_hold=1))
+        ops = Operations(f)
+        other, gate = held_operation(ops, [0])
+        world = World()
+        lw = watch(f, world, ops)
+        world.ratio[f.slots[0].worker.pid] = 0.3
+        for t in range(1, 5):
+            lw.tick(float(t))
+        assert ops.current is other and lw.status(f.slots[0])["repairs"] == {}
+        gate.set()
+        await other.done.wait()
+        lw.tick(5.0)
+        assert ops.current is not other and ops.current.kind == "locality"
+        await asyncio.wait_for(ops.current.done.wait(), 5)
+
+    asyncio.run(main())
+
+
+def test_expensive_samples_are_spaced_to_the_cpu_budget_and_zero_interval_is_off() -> None:
+    f = serving(2, cfg(locality_interval=1.0))
+    world = World()
+    world.cost = 0.05                  # 50 ms a sample, 2 workers: one round per 10 s for 1 %
+    lw = watch(f, world)
+    for t in range(0, 31):
+        lw.tick(float(t))
+    # over a tick's share each: slot 0 at 0, 10, 20, 30 and slot 1 a tick later, at 1, 11, 21
+    assert len(world.sampled) == 7
+    assert lw.status(f.slots[0])["interval_s"] == round(0.05 * 2 / CPU_BUDGET, 1)
+    summary = lw.summary()
+    assert summary["samples"] == 7 and summary["cpu_s"] == 0.35 and summary["cpu_budget"] == CPU_BUDGET
+    assert summary["cpu_s"] / 30.0 <= CPU_BUDGET * 1.5        # the budget holds over the run (first round at 0)
+    off = serving(1, cfg(locality_interval=0.0))
+    world2 = World()
+    lw2 = watch(off, world2)
+    lw2.tick(1.0)
+    assert world2.sampled == [] and lw2.status(off.slots[0])["local_ratio"] is None
+
+
+def test_workers_due_together_are_spread_over_ticks() -> None:
+    from numaserve.supervisor.localitywatch import TICK_BUDGET_S
+
+    f = serving(4, cfg(locality_interval=10.0))
+    world = World()
+    world.cost = TICK_BUDGET_S / 2            # two samples fill a tick's share
+    lw = watch(f, world)
+    lw.tick(1.0)
+    assert len(world.sampled) == 2
+    lw.tick(2.0)
+    assert len(world.sampled) == 4 and len(set(world.sampled)) == 4   # the other two, not the first again
+    lw.tick(3.0)
+    assert len(world.sampled) == 4
