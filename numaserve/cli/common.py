@@ -64,8 +64,8 @@ def config_from_flags(
     ov: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (overrides or {}).items()}
     ctx = ctx or click.get_current_context(silent=True)
     root = ctx.find_root() if ctx is not None else None
-    if root is not None and root.obj and root.obj.get("log_level"):
-        ov.setdefault("log", {})["level"] = root.obj["log_level"]
+    if root is not None and root.obj and root.obj.get("log_level") and ov.get("log", {}).get("level") is None:
+        ov.setdefault("log", {})["level"] = root.obj["log_level"]  # a command's own --log-level wins
     return load_config(config_path, ov)
 
 
