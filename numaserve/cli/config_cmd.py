@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
 from numaserve.config import config_to_toml, load_config
 
 
@@ -33,8 +33,7 @@ def check(file: str) -> None:
 
 @config.command("show")
 @config_option
-@click.option("--json/--no-json", "as_json", default=None,
-              help="JSON output (default: when stdout is not a terminal); TOML otherwise.")
+@output_option
 def show(config_path: str | None, as_json: bool | None) -> None:
     """Print the effective config: defaults < file < environment < flags."""
     cfg = config_from_flags(config_path)

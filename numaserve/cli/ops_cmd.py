@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import click
 
-from numaserve.cli.common import POSITIVE_SECONDS, SECONDS, config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import (POSITIVE_SECONDS, SECONDS, config_from_flags, config_option, echo_json, output_option,
+                                  want_json)
 from numaserve.cli.fit import Column, fit_table, terminal_width, wrap_parts
 from numaserve.cpulist import format_list
 from numaserve.errors import NumaserveError
@@ -169,7 +170,7 @@ def _render_status(data: dict[str, Any]) -> None:
 
 @click.command("status")
 @ops_target_options
-@click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+@output_option
 @click.option("--latency", is_flag=True, help="Per-slot latency histogram and p50/p90/p99 from the cumulative buckets.")
 def status(target: Any, reply_timeout: float, as_json: bool | None, latency: bool) -> None:
     """Show every slot of the running supervisor."""
@@ -245,21 +246,25 @@ def _slot_args(slot: int | None, node: int | None) -> dict[str, Any]:
 
 def follow(target: Any, result: dict[str, Any], *, wait: bool, as_json: bool | None, reply_timeout: float,
            limit: float | None) -> None:
-    """Print an operation's progress until it ends (with --wait); exit 1 when it failed."""
+    """Print an operation's progress until it ends (with --wait); exit 1 when it failed.
+
+    Progress goes to stderr, table or JSON alike (``reload --wait | tee log``
+    still shows it live); stdout gets only the outcome.
+    """
     op = result["operation"]
     quiet = want_json(as_json)
-    if not quiet:
-        click.echo(f"operation {op['id']} ({op['kind']}) started")
     if not wait:
         if quiet:
             echo_json(result)
+        else:
+            click.echo(f"operation {op['id']} ({op['kind']}) started")
         return
+    click.echo(f"operation {op['id']} ({op['kind']}) started", err=True)
     seen = 0
     deadline = None if limit is None else time.monotonic() + limit
     while True:
         for step in op["steps"][seen:]:
-            if not quiet:
-                click.echo(f"  +{step['t']:7.2f}s  {step['message']}")
+            click.echo(f"  +{step['t']:7.2f}s  {step['message']}", err=True)
         seen = len(op["steps"])
         if op["state"] != "running":
             break
@@ -293,7 +298,7 @@ def show_operation(result: dict[str, Any], as_json: bool | None) -> None:
 
 
 wait_option = click.option("--wait/--no-wait", default=False, help="Follow progress until the operation ends.")
-json_option = click.option("--json/--no-json", "as_json", default=None)
+json_option = output_option
 
 
 @click.command("drain")
@@ -420,7 +425,7 @@ def top(runtime_dir: str | None, config_path: str | None, interval: float, itera
     view = TopView()
     n = 0
     live = None
-    json_out = as_json if as_json is not None else not sys.stdout.isatty()
+    json_out = want_json(as_json)
     try:
         if not json_out:
             from rich.live import Live

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import echo_json, want_json
+from numaserve.cli.common import echo_json, output_option, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
 
 MAX_RATE = 1e9          # as the supervisor's ratelimit_set accepts
@@ -38,7 +38,7 @@ def ratelimit() -> None:
 
 @ratelimit.command("show")
 @ops_target_options
-@click.option("--json/--no-json", "as_json", default=None)
+@output_option
 def show(target: Any, reply_timeout: float, as_json: bool | None) -> None:
     """Per slot: limit, rate, epoch (pushed / applied by the worker), who set it and why."""
     data = _call(target, "ratelimit_show", timeout=reply_timeout)
