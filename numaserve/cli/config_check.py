@@ -131,12 +131,16 @@ class _Check:
 
     def start_checks(self, cfg: Config) -> None:
         """What ``start`` refuses before it binds: bind addresses (and that they are ours), then prepare()."""
+        import socket
+
         from numaserve.net.listeners import resolve_bind
         from numaserve.net.portowners import check_address_is_local
 
         for text in cfg.server.bind:
             try:
-                check_address_is_local(resolve_bind(text))
+                b = resolve_bind(text)
+                if b.family in (socket.AF_INET, socket.AF_INET6):  # a unix: path is checked when start binds it
+                    check_address_is_local(b)
             except NumaserveError as e:
                 self.record(str(e))
         try:
