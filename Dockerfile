@@ -22,9 +22,10 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/numaserve
-COPY setup.cfg pyproject.toml README.md /src/
+COPY setup.cfg pyproject.toml README.md constraints.txt /src/
 COPY numaserve /src/numaserve
-RUN /opt/numaserve/bin/pip install --no-cache-dir --disable-pip-version-check /src
+# constraints.txt: the exact versions the test suite ran with (scripts/constraints)
+RUN /opt/numaserve/bin/pip install --no-cache-dir --disable-pip-version-check -c /src/constraints.txt /src
 
 FROM debian:12-slim
 LABEL org.opencontainers.image.title="numaserve" \

@@ -523,7 +523,8 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
         if section not in SECTIONS:
             src = next((v for (s, _), v in origin.items() if s == section), "config")
             raise ConfigError(
-                f"{src}: unknown section [{section}]: expected one of {', '.join(sorted(SECTIONS))}"
+                f"{src}: unknown section [{section}]{did_you_mean(section, SECTIONS)}: "
+                f"expected one of {', '.join(sorted(SECTIONS))}"
             )
         if not isinstance(body, dict):
             raise ConfigError(
@@ -534,7 +535,7 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
             if key not in fields:
                 src = origin.get((section, key), "config")
                 raise ConfigError(
-                    f"{src}: unknown key {section}.{key} = {_toml_value(body[key])}: "
+                    f"{src}: unknown key {section}.{key} = {_toml_value(body[key])}{did_you_mean(key, fields)}: "
                     f"expected one of {', '.join(sorted(fields))}"
                 )
         for key, value in body.items():   # before conversion: some sections validate themselves
@@ -622,7 +623,8 @@ def _env_overrides(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]
                 key = rest[len(section) + 1:]
                 if key not in _field_types(section):
                     raise ConfigError(
-                        f"environment {name}: unknown key {section}.{key} = {_toml_value(text)}: expected one of "
+                        f"environment {name}: unknown key {section}.{key} = {_toml_value(text)}"
+                        f"{did_you_mean(key, _field_types(section))}: expected one of "
                         f"{', '.join(sorted(_field_types(section)))}"
                     )
                 out.setdefault(section, {})[key] = _parse_env_value(section, key, text)
@@ -707,3 +709,39 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     return msgspec.json.encode(v).decode()
+
+
+# --- appended for `numaserve config check` -----------------------------------
+
+
+def did_you_mean(name: str, known: typing.Iterable[str]) -> str:
+    """`` (did you mean backlog?)`` for a misspelled key or section; "" when nothing is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def validate_data(data: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
+    """Check already-parsed TOML ``data`` as ``load_config`` checks a file named ``source``.
+
+    For ``config check``, which drops a key it found bad and checks again so it
+    can report every error, not only the first.
+    """
+    raw: dict[str, Any] = {}
+    origin: dict[tuple[str, str], str] = {}
+    for section, body in data.items():
+        origin[(section, "")] = source
+        if isinstance(body, dict):
+            for key in body:
+                origin[(section, key)] = source
+    _merge(raw, {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()})
+    env, env_origin = _env_overrides(os.environ if environ is None else environ)
+    _merge(raw, env)
+    origin.update(env_origin)
+    return _convert(raw, origin)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's TOML data, or ConfigError naming the file (and the line, for syntax errors)."""
+    return _read_toml(Path(path))

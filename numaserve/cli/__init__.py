@@ -47,11 +47,13 @@ class LazyGroup(click.Group):
         return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        from numaserve.cli.globalopts import attach_globals, global_options
+
         cmd = super().get_command(ctx, name)
-        if cmd is not None or name not in COMMANDS:
-            return cmd
-        mod, _, attr = COMMANDS[name].partition(":")
-        return getattr(importlib.import_module(mod), attr)
+        if cmd is None and name in COMMANDS:
+            mod, _, attr = COMMANDS[name].partition(":")
+            cmd = getattr(importlib.import_module(mod), attr)
+        return None if cmd is None else attach_globals(cmd, global_options(self))
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,8 +67,9 @@ class LazyGroup(click.Group):
 @click.pass_context
 def cli(ctx: click.Context, log_level: str | None) -> None:
     """NUMA-aware serving supervisor: one pinned, memory-bound worker per NUMA node."""
-    ctx.ensure_object(dict)
-    ctx.obj["log_level"] = log_level.lower() if log_level else None
+    from numaserve.cli.globalopts import store_global
+
+    store_global(ctx, "log_level", log_level)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("numaserve: aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
+        if isinstance(e, click.exceptions.NoSuchOption):
+            from numaserve.cli.flaghints import explain
+
+            explain(e)
         e.show()
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:

@@ -11,10 +11,10 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import POSITIVE_SECONDS, echo_json, want_json
+from numaserve.cli.common import POSITIVE_SECONDS, echo_json, output_option, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
 
-json_option = click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+json_option = output_option
 ack_timeout_option = click.option("--ack-timeout", type=POSITIVE_SECONDS, default=5.0, show_default=True,
                                   help="Seconds each worker has to acknowledge.")
 

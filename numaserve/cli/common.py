@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import click
 
@@ -13,10 +13,40 @@ from numaserve.config import Config, load_config
 
 
 def want_json(flag: bool | None) -> bool:
-    """JSON when asked, or when stdout is not a terminal (stable for scripts)."""
-    if flag is not None:
-        return flag
-    return not sys.stdout.isatty()
+    """JSON only when asked (``--json``, ``-o json``): a table otherwise, terminal or not.
+
+    ``watch numaserve status`` and ``... | grep`` want what a person reads;
+    scripts ask for JSON explicitly (as with kubectl and systemctl).
+    """
+    return bool(flag)
+
+
+def output_option(fn: Callable[..., Any] | None = None, *, short: bool = True) -> Any:
+    """``--json/--no-json`` and ``-o/--output json|table``, collapsed into one ``as_json`` argument.
+
+    ``short=False``: only ``--json/--no-json``, for a command whose ``-o/--output`` names a file.
+    """
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def wrapper(*args: Any, as_json: bool | None, output_format: str | None = None, **kw: Any) -> Any:
+            if output_format is not None:
+                chosen = output_format.lower() == "json"
+                if as_json is not None and as_json != chosen:
+                    raise click.UsageError(f"--output {output_format} and --{'' if as_json else 'no-'}json "
+                                           "disagree: give one")
+                as_json = chosen
+            return f(*args, as_json=as_json, **kw)
+
+        if short:
+            wrapper = click.option("-o", "--output", "output_format", default=None,
+                                   type=click.Choice(["json", "table"], case_sensitive=False),
+                                   help="Output format (kubectl's spelling of --json / --no-json).")(wrapper)
+        return click.option("--json/--no-json", "as_json", default=None,
+                            help="JSON for scripts (default: human-readable, whether stdout is a terminal or not)."
+                            )(wrapper)
+
+    return decorate(fn) if fn is not None else decorate
 
 
 def echo_json(data: Any) -> None:
@@ -64,8 +94,8 @@ def config_from_flags(
     ov: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (overrides or {}).items()}
     ctx = ctx or click.get_current_context(silent=True)
     root = ctx.find_root() if ctx is not None else None
-    if root is not None and root.obj and root.obj.get("log_level"):
-        ov.setdefault("log", {})["level"] = root.obj["log_level"]
+    if root is not None and root.obj and root.obj.get("log_level") and ov.get("log", {}).get("level") is None:
+        ov.setdefault("log", {})["level"] = root.obj["log_level"]  # a command's own --log-level wins
     return load_config(config_path, ov)
 
 

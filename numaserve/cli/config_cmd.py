@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
-from numaserve.config import config_to_toml, load_config
+from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
+from numaserve.config import config_to_toml
 
 
 @click.group("config")
@@ -22,19 +22,31 @@ def config() -> None:
 @config.command("check")
 @click.argument("file", type=click.Path())
 def check(file: str) -> None:
-    """Validate FILE with the NUMASERVE_* environment applied.
+    """Validate FILE with the NUMASERVE_* environment applied, as `start` would.
 
-    Prints "FILE: ok" (exit 0) or one error line naming the source, key,
-    value and what was expected (exit 2).
+    Everything `start` refuses before binding is checked (bind addresses this
+    machine has, the cmd template, TLS files, topology and plan).  Prints
+    "FILE: ok" (exit 0), or one line per error, "FILE:LINE: key = value:
+    expected ..." with the closest key for a misspelled one (exit 2).
     """
-    load_config(file)
-    click.echo(f"{file}: ok")
+    import os
+
+    from numaserve.cli.config_check import check_file
+
+    problems = check_file(file, os.environ)
+    if not problems:
+        click.echo(f"{file}: ok")
+        return
+    for p in problems:
+        click.echo(f"numaserve: error: {p}", err=True)
+    if len(problems) > 1:
+        click.echo(f"numaserve: error: {file}: {len(problems)} errors", err=True)
+    raise click.exceptions.Exit(2)
 
 
 @config.command("show")
 @config_option
-@click.option("--json/--no-json", "as_json", default=None,
-              help="JSON output (default: when stdout is not a terminal); TOML otherwise.")
+@output_option
 def show(config_path: str | None, as_json: bool | None) -> None:
     """Print the effective config: defaults < file < environment < flags."""
     cfg = config_from_flags(config_path)

@@ -11,7 +11,7 @@ import textwrap
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
 from numaserve.tools.doctor import Check, run_checks
 from numaserve.errors import NumaserveError, UsageError
 from numaserve.bind.nodespec import parse_node_spec
@@ -63,7 +63,7 @@ def _table(checks: list[Check], color: bool, verbose: bool = False) -> None:
 @click.option("--declared", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Declared topology file (default: placement.topology_file).")
 @click.option("--nodes", default=None, help='Nodes to check for usable CPUs (default: placement.nodes).')
-@click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+@output_option
 @click.option("-v", "--verbose", is_flag=True, help="Also print each check's detail.")
 @click.pass_context
 def doctor(ctx: click.Context, config_path: str | None, root: str | None, declared: str | None,

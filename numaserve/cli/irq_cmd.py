@@ -13,7 +13,7 @@ from typing import Any
 import click
 import msgspec
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
 from numaserve.config import Config
 from numaserve.cpulist import format_list
 from numaserve.errors import NumaserveError
@@ -123,7 +123,7 @@ def _print_result(res: ApplyResult, verb: str) -> None:
 _common = [
     click.option("--root", default=None, help="sysfs/procfs root (default: placement.sysfs_root, /)."),
     config_option,
-    click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty)."),
+    output_option,
 ]
 
 

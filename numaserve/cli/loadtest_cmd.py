@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from numaserve.cli.common import FiniteFloat, echo_json, want_json
+from numaserve.cli.common import FiniteFloat, echo_json, output_option, want_json
 from numaserve.errors import UsageError
 from numaserve.tools.loadtest import ERROR_KINDS, LoadConfig, LoadResult, parse_duration, parse_header, run_load
 
@@ -66,7 +66,7 @@ def _duration(_ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--allow-remote", is_flag=True,
               help="Allow a non-local target (off by default: load on a shared network hurts others).")
 @click.option("--histogram", is_flag=True, help="Also print the latency histogram.")
-@click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+@output_option
 def loadtest(url: str, rate: float | None, concurrency: int | None, duration: float, requests: int | None,
              connections: int | None, arrivals: str, keepalive: bool, method: str, body: str | None,
              body_file: str | None, headers: tuple[str, ...], timeout: float, seed: int | None,

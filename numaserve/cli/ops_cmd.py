@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import click
 
-from numaserve.cli.common import POSITIVE_SECONDS, SECONDS, config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import (POSITIVE_SECONDS, SECONDS, config_from_flags, config_option, echo_json, output_option,
+                                  want_json)
 from numaserve.cli.fit import Column, fit_table, terminal_width, wrap_parts
 from numaserve.cpulist import format_list
 from numaserve.errors import NumaserveError
@@ -155,7 +155,8 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
             "gen": str(s["generation"] or "-"), "state": _state(s), "cpus": format_list(s["cpus"]),
             "mempolicy": pol,
             "binding": "verified" if verified else ("-" if verified is None else "MISMATCH"),
-            "rss": _mb(s["rss_bytes"]), "up": _duration(s["uptime_s"]), "restarts": str(s["restarts"]),
+            "rss": _mb(s["rss_bytes"]), "up": _duration(s["uptime_s"]) if s["pid"] else "-",  # no worker: no age
+            "restarts": str(s["restarts"]),
             "requests": str(s["requests"]), "inflight": str(s["inflight"]),
             "reason": s["failed_reason"] or s["last_restart_reason"] or "",
             **_locality_cells(s),
@@ -181,7 +182,7 @@ def _render_status(data: dict[str, Any]) -> None:
 
 @click.command("status")
 @ops_target_options
-@click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+@output_option
 @click.option("--latency", is_flag=True, help="Per-slot latency histogram and p50/p90/p99 from the cumulative buckets.")
 def status(target: Any, reply_timeout: float, as_json: bool | None, latency: bool) -> None:
     """Show every slot of the running supervisor."""
@@ -257,21 +258,25 @@ def _slot_args(slot: int | None, node: int | None) -> dict[str, Any]:
 
 def follow(target: Any, result: dict[str, Any], *, wait: bool, as_json: bool | None, reply_timeout: float,
            limit: float | None) -> None:
-    """Print an operation's progress until it ends (with --wait); exit 1 when it failed."""
+    """Print an operation's progress until it ends (with --wait); exit 1 when it failed.
+
+    Progress goes to stderr, table or JSON alike (``reload --wait | tee log``
+    still shows it live); stdout gets only the outcome.
+    """
     op = result["operation"]
     quiet = want_json(as_json)
-    if not quiet:
-        click.echo(f"operation {op['id']} ({op['kind']}) started")
     if not wait:
         if quiet:
             echo_json(result)
+        else:
+            click.echo(f"operation {op['id']} ({op['kind']}) started")
         return
+    click.echo(f"operation {op['id']} ({op['kind']}) started", err=True)
     seen = 0
     deadline = None if limit is None else time.monotonic() + limit
     while True:
         for step in op["steps"][seen:]:
-            if not quiet:
-                click.echo(f"  +{step['t']:7.2f}s  {step['message']}")
+            click.echo(f"  +{step['t']:7.2f}s  {step['message']}", err=True)
         seen = len(op["steps"])
         if op["state"] != "running":
             break
@@ -305,7 +310,7 @@ def show_operation(result: dict[str, Any], as_json: bool | None) -> None:
 
 
 wait_option = click.option("--wait/--no-wait", default=False, help="Follow progress until the operation ends.")
-json_option = click.option("--json/--no-json", "as_json", default=None)
+json_option = output_option
 
 
 @click.command("drain")
@@ -408,7 +413,7 @@ def operation(target: Any, reply_timeout: float, op_id: str | None, wait: bool, 
 @json_option
 def top(runtime_dir: str | None, config_path: str | None, interval: float, iterations: int,
         as_json: bool | None) -> None:
-    """Live per-slot view: state, requests/s, latency, in-flight, RSS and its trend.
+    """Live per-slot view: state, requests/s, latency, in-flight, RSS and its trend (q or Ctrl-C quits).
 
     Fed by the supervisor's ZeroMQ PUB stream (events.sock, topic "stats"),
     which any other tool can subscribe to as well.
@@ -427,24 +432,37 @@ def top(runtime_dir: str | None, config_path: str | None, interval: float, itera
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"stats")
-    sub.setsockopt(zmq.RCVTIMEO, int(max(5.0, 3 * interval) * 1000))
     sub.connect(f"ipc://{path}")
+    silence = max(5.0, 3 * interval)
     view = TopView()
     n = 0
     live = None
-    json_out = as_json if as_json is not None else not sys.stdout.isatty()
+    json_out = want_json(as_json)
+    from numaserve.cli.keys import Keys
+
+    keys = Keys(enabled=not json_out).__enter__()   # left in the finally below, whatever happens
     try:
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        if keys.fd is not None:
+            poller.register(keys.fd, zmq.POLLIN)
         if not json_out:
             from rich.live import Live
 
             live = Live(view.table(), refresh_per_second=4, screen=False)
             live.start()
         last = 0.0
+        heard = time.monotonic()
         while True:
-            try:
-                _, payload = sub.recv_multipart()
-            except zmq.Again:
-                raise NumaserveError(f"no stats from the supervisor on ipc://{path} (is it running?)") from None
+            ready = dict(poller.poll(200))
+            if keys.fd is not None and keys.fd in ready and _quits(keys.read()):
+                break
+            if sub not in ready:
+                if time.monotonic() - heard > silence:
+                    raise NumaserveError(f"no stats from the supervisor on ipc://{path} (is it running?)")
+                continue
+            _, payload = sub.recv_multipart()
+            heard = time.monotonic()
             data = json.loads(payload)
             view.update(data)
             if time.monotonic() - last < interval * 0.9:
@@ -462,7 +480,13 @@ def top(runtime_dir: str | None, config_path: str | None, interval: float, itera
     finally:
         if live is not None:
             live.stop()
+        keys.__exit__(None, None, None)
         sub.close(0)
+
+
+def _quits(typed: str) -> bool:
+    """q or Q quits top, as in top(1); end of input too (the terminal went away)."""
+    return typed == "" or "q" in typed.lower()
 
 
 class TopView:
@@ -535,7 +559,7 @@ class TopView:
             lim = r["limits"].get("concurrency") if isinstance(r["limits"], dict) else None
             rows.append({
                 "slot": str(r["slot"]), "node": str(r["node"]), "pid": str(r["pid"] or "-"),
-                "gen": str(r["generation"]), "state": r["state"],
+                "gen": str(r["generation"] or "-"), "state": r["state"],
                 "rps": "…" if r["rps"] is None else f"{r['rps']:.1f}",
                 "p50": _fmt(r["p50_ms"]), "p99": _fmt(r["p99_ms"]), "inflight": str(r["inflight"] or 0),
                 "queued": str(r["queued"] or 0), "shed": str(r["shed"] or 0), "rss": _mb(r["rss_bytes"]),

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
 from numaserve.cpulist import format_list
 from numaserve.bind.placement import Plan, format_nodes, make_plan
 
@@ -97,8 +97,7 @@ def slot_envs(cfg: Any, plan: Plan, topo: Any) -> dict[int, dict[str, str]]:
 @click.option("--nodes", default=None, metavar="SPEC", help='Nodes to place workers on: "all" or a list like 0,2-3.')
 @click.option("--workers-per-node", "workers_per_node", default=None, metavar="N|auto",
               help='Workers per node: an integer >= 1, or "auto" (GPUs, else physical cores).')
-@click.option("--json/--no-json", "as_json", default=None,
-              help="JSON output (default: when stdout is not a terminal).")
+@output_option
 def plan(
     config_path: str | None,
     root: str | None,

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import echo_json, want_json
+from numaserve.cli.common import echo_json, output_option, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
 from numaserve.errors import UsageError
 from numaserve.tools.profiling import FORMATS, default_output, record, slot_worker_pid
@@ -41,7 +41,7 @@ class _OneLineErrors(click.Command):
 @click.option("--idle", is_flag=True, help="Include idle threads' stacks (a quiet worker has no others).")
 @click.option("--nonblocking", is_flag=True,
               help="Do not pause the worker while sampling (less impact on latency, less accurate).")
-@click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+@output_option(short=False)
 def profile(target: Any, reply_timeout: float, slot: int, duration: int, fmt: str, output: str | None,
             rate: int, native: bool, idle: bool, nonblocking: bool, as_json: bool | None) -> None:
     """Sample slot S's worker with py-spy and write a flame graph or profile."""

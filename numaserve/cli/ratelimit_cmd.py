@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import echo_json, want_json
+from numaserve.cli.common import echo_json, output_option, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
 
 MAX_RATE = 1e9          # as the supervisor's ratelimit_set accepts
@@ -38,22 +38,47 @@ def ratelimit() -> None:
 
 @ratelimit.command("show")
 @ops_target_options
-@click.option("--json/--no-json", "as_json", default=None)
+@output_option
 def show(target: Any, reply_timeout: float, as_json: bool | None) -> None:
     """Per slot: limit, rate, epoch (pushed / applied by the worker), who set it and why."""
     data = _call(target, "ratelimit_show", timeout=reply_timeout)
     if want_json(as_json):
         echo_json(data)
         return
-    click.echo(f"mode {data['mode']}")
-    click.echo(f"{'SLOT':>4} {'NODE':>4} {'LIMIT':>6} {'RATE':>9} {'EPOCH':>6} {'APPLIED':>7} {'EFFECTIVE':>9}  SOURCE / WHY")
+    for line in show_lines(data):
+        click.echo(line)
+
+
+def mode_line(data: dict[str, Any]) -> str:
+    """The header: the configured mode, and the slots an operator override holds (the loops do not move them)."""
+    held = [s["slot"] for s in data["slots"] if s.get("source") == "operator"]
+    if not held:
+        return f"mode {data['mode']}"
+    which = "every slot" if len(held) == len(data["slots"]) else \
+        ("slot " if len(held) == 1 else "slots ") + ",".join(str(x) for x in held)
+    return f"mode {data['mode']}, operator override on {which} (until `numaserve ratelimit auto`)"
+
+
+def applied(s: dict[str, Any]) -> str:
+    """Whether the worker runs the epoch last pushed: "yes", else the older epoch it still runs."""
+    have, want = s.get("applied_epoch"), s.get("epoch")
+    if have is None:
+        return "-"
+    return "yes" if want is None or have >= want else f"epoch {have}"
+
+
+def show_lines(data: dict[str, Any]) -> list[str]:
+    """The text of ``ratelimit show`` (pure)."""
+    out = [mode_line(data),
+           f"{'SLOT':>4} {'NODE':>4} {'LIMIT':>6} {'RATE':>9} {'EPOCH':>6} {'APPLIED':>8} {'EFFECTIVE':>9}  SOURCE / WHY"]
     for s in data["slots"]:
         rate = "-" if s["rate"] is None else f"{s['rate']:.1f}/s"
-        click.echo(
+        out.append(
             f"{s['slot']:>4} {s['node']:>4} {str(s['concurrency'] or '-'):>6} {rate:>9} {str(s['epoch'] or '-'):>6} "
-            f"{str(s['applied_epoch'] or '-'):>7} {str(s['effective_limit'] or '-'):>9}  "
+            f"{applied(s):>8} {str(s['effective_limit'] or '-'):>9}  "
             f"{s['source'] or '-'}{' — ' + s['reason'] if s['reason'] and s['reason'] != s['source'] else ''}"
         )
+    return out
 
 
 @ratelimit.command("set")
@@ -95,5 +120,13 @@ def auto(target: Any, reply_timeout: float, slot: int | None, node: int | None) 
         args["slot"] = slot
     if node is not None:
         args["node"] = node
-    _call(target, "ratelimit_auto", args, timeout=reply_timeout)
-    click.echo("auto")
+    res = _call(target, "ratelimit_auto", args, timeout=reply_timeout)
+    acks = (res or {}).get("acks") or {} if isinstance(res, dict) else {}
+    ok = sum(1 for a in acks.values() if a.get("ok"))
+    where = f"slot {slot}" if slot is not None else f"node {node}" if node is not None else "every slot"
+    ms = res.get("acked_in_ms") if isinstance(res, dict) else None
+    click.echo(f"auto on {where}: operator overrides cleared, the control loops decide again; "
+               f"applied by {ok}/{len(acks)} workers" + (f" in {ms} ms" if ms is not None else ""))
+    for key, a in sorted(acks.items()):
+        if not a.get("ok"):
+            click.echo(f"  slot {key}: not applied: {a.get('detail')}", err=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from numaserve.cli.common import echo_json, want_json
+from numaserve.cli.common import echo_json, output_option, want_json
 from numaserve.config import DEFAULT_CONFIG_PATH
 from numaserve.errors import NumaserveError, UsageError
 
@@ -174,7 +174,7 @@ def systemd() -> None:
 @click.option("--dry-run", is_flag=True, help="Show what would be written; write nothing.")
 @click.option("--enable", is_flag=True, help="Also run systemd-sysusers, daemon-reload and enable --now "
                                               "(only with --prefix / on a systemd-booted machine).")
-@click.option("--json/--no-json", "as_json", default=None, help="JSON output (default when not a tty).")
+@output_option
 def install(prefix: str, config_path: str, exec_cmd: str | None, dry_run: bool, enable: bool,
             as_json: bool | None) -> None:
     """Install numaserve.service (Type=notify, watchdog, hardening), its user and config.

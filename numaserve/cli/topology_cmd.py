@@ -1,7 +1,6 @@
 """`numaserve topology`: what discovery sees on this machine (or a dump).
 
-Tables on a terminal, the stable ``Topology.to_json()`` document otherwise
-(or with ``--json``).  ``--root``/``--declared`` default to the config's
+Tables, or the stable ``Topology.to_json()`` document with ``--json``.  ``--root``/``--declared`` default to the config's
 ``placement.sysfs_root`` / ``placement.topology_file``.
 """
 
@@ -9,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from numaserve.cli.common import config_from_flags, config_option, echo_json, want_json
+from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
 
 
 @click.command("topology")
@@ -17,8 +16,7 @@ from numaserve.cli.common import config_from_flags, config_option, echo_json, wa
               help="Read sysfs/procfs under DIR instead of / (a dump). Default: placement.sysfs_root.")
 @click.option("--declared", default=None, metavar="FILE",
               help="Declared topology TOML that replaces or corrects sysfs. Default: placement.topology_file.")
-@click.option("--json/--no-json", "as_json", default=None,
-              help="JSON output (default when stdout is not a terminal).")
+@output_option
 @config_option
 def topology(root: str | None, declared: str | None, as_json: bool | None, config_path: str | None) -> None:
     """Show NUMA nodes, CPUs, memory, distances, NICs with their IRQs, GPUs and host facts."""

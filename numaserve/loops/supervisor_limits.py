@@ -184,6 +184,7 @@ class SlotLimits(msgspec.Struct, kw_only=True):
     lease_expiry: float                  # ... i.e. until this supervisor-monotonic time
     safe_concurrency: int | None         # ceiling after expiry
     source: str
+    reason: str = ""                     # why this slot has these limits (not another slot's override)
 
 
 class LimitsDecision(msgspec.Struct, kw_only=True):
@@ -424,7 +425,8 @@ class LimitsLoop:
             c, r = ceilings[i], rates[i]
             burst = None if r is None else max(1.0, s.burst_fraction * r)
             out.append(SlotLimits(slot=slot, concurrency=c, rate=r, burst=burst, lease_s=s.lease_s,
-                                  lease_expiry=now + s.lease_s, safe_concurrency=c, source=sources[i]))
+                                  lease_expiry=now + s.lease_s, safe_concurrency=c, source=sources[i],
+                                  reason=self._slot_reason(slot, sources[i], source, reason)))
         key = tuple((x.slot, x.concurrency, None if x.rate is None else round(x.rate, 6)) for x in out)
         changed = key != self._last_key
         if changed:
@@ -436,6 +438,17 @@ class LimitsLoop:
                                    changed=changed, node_budget=budget, node_rate=node_rate,
                                    slo_cap=self.slo_cap, slots=out)
         return self.last
+
+    def _slot_reason(self, slot: int, slot_source: str, source: str, reason: str) -> str:
+        """One slot's reason: its own override, else the decision's reason unless that was an
+        operator action on other slots (an override or its clearing), which says nothing about this one."""
+        if slot in self._overrides:
+            return f"operator override for slot {slot}"
+        if None in self._overrides:
+            return "operator override for node"
+        if source in ("operator", "auto"):
+            return slot_source
+        return reason or slot_source
 
     def _split(self, budget: float, workers: Sequence[WorkerWindow]) -> list[int]:
         """Fair share of the budget by demand, leftover split evenly, clamped to the worker range."""

@@ -168,6 +168,19 @@ def _test_bind(b: BindAddress) -> None:
         s.close()
 
 
+def check_address_is_local(b: BindAddress) -> None:
+    """Refuse (UsageError) an address this machine does not have, as ``start`` does, without the port.
+
+    For ``config check``: binding port 0 asks the kernel about the address
+    alone, so a config whose port a running supervisor holds still checks.
+    """
+    try:
+        _test_bind(BindAddress(b.text, b.host, 0, b.family))
+    except OSError as e:
+        hint = " (this machine has no such address)" if e.errno == errno.EADDRNOTAVAIL else ""
+        raise UsageError(f"server.bind {b.text}: cannot bind: {e.strerror}{hint}") from None
+
+
 def check_binds(binds: Sequence[BindAddress], *, takeover: bool = False,
                 listeners: Sequence[TcpSocket] | None = None,
                 owner_lookup: "Mapping[int, list[Owner]] | None" = None) -> list[str]:

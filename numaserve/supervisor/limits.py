@@ -198,7 +198,7 @@ class LimitsManager:
         for s in d.slots:
             self.current[s.slot] = s
             self.epochs[s.slot] = d.epoch
-            self.reasons[s.slot] = d.reason or d.source
+            self.reasons[s.slot] = s.reason or d.reason or d.source
             if push:
                 self.push(s.slot)
         return [s.slot for s in d.slots]

@@ -131,7 +131,7 @@ def check_cmd_template(template: str, *, allow_host_port: bool = False) -> None:
             f"server.cmd uses {names}: a server given an address binds its own socket, which joins the port's "
             "SO_REUSEPORT group beside numaserve's listeners and takes a share of the connections without "
             "steering, readiness or queue-keeping. Pass the listener instead with {fd} (uvicorn --fd {fd}, "
-            "gunicorn/hypercorn --bind fd://{fd}), or set cmd.allow_host_port = true (--allow-host-port) if "
+            "gunicorn --bind fd://{fd} --no-control-socket, hypercorn --bind fd://{fd}), or set cmd.allow_host_port = true (--allow-host-port) if "
             "the command only uses them as information"
         )
 

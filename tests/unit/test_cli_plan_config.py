@@ -110,9 +110,13 @@ def test_plan_json_contract(capsys: pytest.CaptureFixture[str], empty_config: Pa
     assert fake_discover == [{"root": "/", "declared": None}]
 
 
-def test_plan_is_json_when_piped(capsys: pytest.CaptureFixture[str], empty_config: Path, fake_discover: list[dict[str, Any]]) -> None:
+def test_plan_is_a_table_when_piped_and_json_when_asked(capsys: pytest.CaptureFixture[str], empty_config: Path,
+                                                        fake_discover: list[dict[str, Any]]) -> None:
     code, out, _ = run(["plan", "--config", str(empty_config)], capsys)  # capsys stdout is not a tty
-    assert code == 0 and json.loads(out)["slots"]
+    assert code == 0 and not out.lstrip().startswith("{") and "slot" in out.lower(), out
+    for flag in (["--json"], ["-o", "json"], ["--output", "JSON"]):
+        code, out, _ = run(["plan", "--config", str(empty_config), *flag], capsys)
+        assert code == 0 and json.loads(out)["slots"]
 
 
 def test_plan_flags_override_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_discover: list[dict[str, Any]]) -> None:
@@ -257,9 +261,14 @@ def test_config_show_toml(empty_config: Path, capsys: pytest.CaptureFixture[str]
     assert tomllib.loads(out) == Config().to_dict()
 
 
-def test_config_show_is_json_when_piped(empty_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_show_is_toml_when_piped_and_json_when_asked(empty_config: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["config", "show", "--config", str(empty_config)], capsys)
+    assert code == 0 and tomllib.loads(out) == Config().to_dict()
+    code, out, _ = run(["config", "show", "--config", str(empty_config), "--json"], capsys)
     assert code == 0 and json.loads(out) == Config().to_dict()
+    code, _, err = run(["config", "show", "--config", str(empty_config), "--json", "-o", "table"], capsys)
+    assert code == 2 and "disagree" in err
 
 
 def test_config_show_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

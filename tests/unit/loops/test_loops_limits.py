@@ -253,3 +253,18 @@ def test_vegas_on_the_delay_signal_is_not_moved_by_long_streams() -> None:
                                             workers=CPU_WORKERS))
         rates.append(d.node_rate)  # type: ignore[union-attr]
     assert rates[-1] > 100.0  # delay − min < 5 ms: +10 % per decision, never −25 %
+
+
+def test_each_slot_gets_its_own_reason_not_another_slots_override() -> None:
+    loop = LimitsLoop(LimitsSettings(), 0.0)
+    loop.update(3.0, window())
+    d = loop.override(4.0, slot=1, concurrency=3)
+    assert (d.slots[0].reason, d.slots[1].reason) == ("auto: fair share", "operator override for slot 1")
+    d = loop.override(5.0, slot=0, concurrency=4)
+    assert (d.slots[0].reason, d.slots[1].reason) == ("operator override for slot 0", "operator override for slot 1")
+    d = loop.update(6.0, window())   # a tick keeps each override's own reason
+    assert d is not None and d.slots[1].reason == "operator override for slot 1"
+    d = loop.clear_override(7.0, slot=1)
+    assert (d.slots[0].reason, d.slots[1].reason) == ("operator override for slot 0", "auto: fair share")
+    d = loop.override(8.0, concurrency=10)
+    assert d.slots[1].reason == "operator override for node" and d.slots[0].reason == "operator override for slot 0"

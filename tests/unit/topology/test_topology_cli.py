@@ -68,8 +68,10 @@ def test_json_on_static_tree(run, static_tree):
     assert j["system"]["irqbalance_running"] is True
 
 
-def test_not_a_tty_defaults_to_json(run, static_tree):
+def test_not_a_tty_is_still_a_table_and_json_is_asked_for(run, static_tree):
     r = run("--root", str(static_tree(STATIC)))
+    assert r.exit_code == 0 and "NUMA nodes" in r.output
+    r = run("--json", "--root", str(static_tree(STATIC)))
     assert r.exit_code == 0
     assert json.loads(r.output)["root"].endswith(STATIC)
 
