@@ -5,6 +5,7 @@ workers through the OpenAI clients; the weights shared by the workers; a corrupt
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Iterator
@@ -105,6 +106,32 @@ def test_forked_workers_share_the_templates_weights(served: Running, weights: Pa
     tree_pss = template["Pss"] + sum(w["Pss"] for w in workers)
     bare = sum((m["Pss"] - m["Pss_Anon"]) + 20 * 2**20 for m in [template, *workers])
     assert tree_pss < 1.5 * size + bare, (tree_pss, size, bare)
+
+
+def _anon_pages_by_node(pid: int, min_pages: int) -> tuple[dict[str, int], list[str]]:
+    """Pages per node of the anonymous mappings of at least ``min_pages`` (numa_maps), and their policies."""
+    pages: dict[str, int] = {}
+    policies = []
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        m = re.search(r"\banon=(\d+)", line)
+        if m and int(m.group(1)) >= min_pages and " file=" not in line:
+            policies.append(line.split()[1])
+            for node, count in re.findall(r"\bN(\d+)=(\d+)", line):
+                pages[node] = pages.get(node, 0) + int(count)
+    return pages, policies
+
+
+def test_template_holds_the_weights_in_its_own_memory_on_its_node(served: Running, weights: Path) -> None:
+    """numa_maps: the weights are anonymous pages of the template (not the file's page cache), allocated
+    under its node binding; the file is not mapped at all."""
+    (t,) = served.status()["templates"]["nodes"]
+    pages, policies = _anon_pages_by_node(t["pid"], 256)  # mappings of 1 MiB and more
+    weight_pages = weights.stat().st_size // 4096
+    on_node = sum(pages.get(str(n), 0) for n in t["memory_nodes"])
+    assert on_node >= 0.8 * weight_pages and on_node >= 0.95 * sum(pages.values()), (pages, t["memory_nodes"])
+    if t["mempolicy"] == "bind":
+        assert policies and all(p.startswith("bind") for p in policies), policies
+    assert str(weights) not in Path(f"/proc/{t['pid']}/maps").read_text()
 
 
 def test_corrupt_weights_exit_3_with_one_line_naming_file_and_fault(weights: Path, tmp_path: Path) -> None:
