@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "cache": "numaserve.cli.cache_cmd:cache",
     "irq": "numaserve.cli.irq_cmd:irq",
     "doctor": "numaserve.cli.doctor_cmd:doctor",
+    "model": "numaserve.cli.model_cmd:model",
 }
 
 

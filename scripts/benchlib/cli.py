@@ -15,9 +15,10 @@ from typing import Any, Callable
 from benchlib import env
 from benchlib.common import Ctx
 
-SCENARIOS = ("throughput", "hotpath", "overload", "admission", "resilience", "balance", "overhead", "startup", "warm")
+SCENARIOS = ("throughput", "hotpath", "overload", "admission", "resilience", "balance", "overhead", "startup", "warm",
+             "model")
 #: What runs without --scenarios ("hotpath" adds granian and wrk and 32-worker runs: asked for by name).
-DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("hotpath", "warm"))  # "warm": issue 17, by name
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("hotpath", "warm", "model"))  # "warm", "model": by name
 
 
 def _runner(name: str) -> Callable[[Ctx], dict[str, Any]]:

@@ -188,6 +188,38 @@ RENDER = {"warm": md_warm, "hotpath": md_hotpath, "throughput": md_throughput, "
           "balance": md_balance, "overhead": md_overhead, "admission": md_admission, "startup": md_startup}
 
 
+def md_model(s: dict[str, Any]) -> list[str]:
+    rows = sorted(s["rows"], key=lambda r: _srv_key(r["server"]))
+    head = ["server", "load to ready s", "tree PSS MB (2 workers)"]
+    for c in s["params"]["concurrency"]:
+        head += [f"{c} streams: tok/s", f"{c}: TTFT p50 ms", f"{c}: TTFT p99 ms", f"{c}: failed"]
+    out = []
+    for r in rows:
+        cells = [r["server"], fmt(r["all_ready_s"], 2), fmt(r["tree_pss_mb"], 0)]
+        for c in s["params"]["concurrency"]:
+            m = r.get(f"c{c}") or {}
+            cells += [fmt(m.get("tokens_per_s"), 1), fmt(m.get("ttft_p50_ms"), 0), fmt(m.get("ttft_p99_ms"), 0),
+                      fmt(m.get("failed"), 0, spread=False)]
+        out.append(cells)
+    lines = _table(head, out)
+    workers = sorted({m["workers"] for m in s["memory"]})
+    servers = sorted({m["server"] for m in s["memory"]}, key=_srv_key)
+    by = {(m["server"], m["workers"]): m for m in s["memory"]}
+    lines += ["", f"Tree PSS MB with a {s['params']['mem_weights_mb']:.0f} MiB model (load to ready s in brackets):", ""]
+    lines += _table(["server"] + [f"{w} workers" for w in workers],
+                    [[k] + [f"{by[(k, w)]['tree_pss_mb']:.0f} ({by[(k, w)]['all_ready_s']:.1f})" if (k, w) in by
+                            else "–" for w in workers] for k in servers])
+    t = s.get("target") or {}
+    if t.get("four_workers"):
+        lines += ["", f"Target, 4 workers: tree PSS <= {t['four_workers_limit_mb']:.0f} MB: " + ", ".join(
+            f"{k} {v['tree_pss_mb']:.0f} MB {'met' if v['met'] else 'MISSED'}"
+            for k, v in sorted(t["four_workers"].items(), key=lambda kv: _srv_key(kv[0])))]
+    return lines
+
+
+RENDER["model"] = md_model
+
+
 def write_markdown(results: dict[str, Any], path: Path) -> None:
     meta = results["meta"]
     m = meta["machine"]
