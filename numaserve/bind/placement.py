@@ -45,6 +45,7 @@ __all__ = [
     "make_plan",
     "reserved_irq_cpus",
     "physical_cores",
+    "placeable_cpus",
     "split_cpus",
     "parse_workers_per_node",
     "format_nodes",
@@ -194,7 +195,7 @@ def _reserve(topo: Topology, node: Node, k: int) -> tuple[tuple[int, ...], str |
         raise ValueError(f"reserve_irq_cpus must be >= 0, got {k}")
     if k == 0 or not _local_nic(topo, node.id):
         return (), None
-    cores = physical_cores(topo, node.usable_cpus)
+    cores = physical_cores(topo, placeable_cpus(topo, node))
     if len(cores) <= 1:
         return (), (
             f"node {node.id}: reserve_irq_cpus = {k} not applied: the node has "
@@ -290,6 +291,17 @@ def _memory_problem(topo: Topology, node: Node, mempolicy: str) -> str | None:
     return None
 
 
+def placeable_cpus(topo: Topology, node: Node) -> tuple[int, ...]:
+    """The node's CPUs a worker may get: usable (affinity ∩ cpuset) and not isolated.
+
+    Isolated CPUs (``isolcpus``) are left out: the scheduler never balances
+    load onto them, so a worker's threads would pile up on one CPU, and they
+    were isolated for some other latency-critical task.
+    """
+    isolated = set(topo.cpu_facts.isolated)
+    return tuple(c for c in node.usable_cpus if c not in isolated)
+
+
 def _skip_reason(topo: Topology, node: Node, mempolicy: str) -> str | None:
     """Why ``node`` cannot host workers, or None when it can."""
     if node.cpu_less:
@@ -299,6 +311,8 @@ def _skip_reason(topo: Topology, node: Node, mempolicy: str) -> str | None:
             f"no usable CPUs: this process may not run on its CPUs {format_list(node.cpus)} "
             f"(allowed CPUs: {format_list(topo.allowed_cpus) or 'none'}; affinity or cgroup cpuset)"
         )
+    if not placeable_cpus(topo, node):
+        return f"its usable CPUs {format_list(node.usable_cpus)} are all isolated (isolcpus)"
     return _memory_problem(topo, node, mempolicy)
 
 
@@ -325,7 +339,7 @@ def _node_workers(
 ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """(CPUs, GPUs) of each worker of one node; appends operator notes to ``notes``."""
     kept = set(reserved)
-    worker_cpus = tuple(c for c in node.usable_cpus if c not in kept)
+    worker_cpus = tuple(c for c in placeable_cpus(topo, node) if c not in kept)
     node_gpus = tuple(sorted(g.pci for g in topo.gpus if g.numa_node == node.id))
 
     if wpn != "auto":
