@@ -110,6 +110,7 @@ class Plan:
     workers_per_node: int | str = 1
     cpu_split: str = "split"
     irq_cpus: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    shape: str = "node"
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -125,6 +126,7 @@ class Plan:
             "workers_per_node": self.workers_per_node,
             "cpu_split": self.cpu_split,
             "irq_cpus": {str(k): list(v) for k, v in sorted(self.irq_cpus.items())},
+            "shape": self.shape,
         }
 
 

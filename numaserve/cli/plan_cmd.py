@@ -69,6 +69,18 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_explain(findings: list[Any]) -> str:
+    """``plan --explain`` text: CPUs and nodes, then what works against the binding."""
+    from numaserve.tools.explain import format_findings
+
+    placed = [f for f in findings if f.verdict in ("used", "skipped")]
+    against = [f for f in findings if f.verdict not in ("used", "skipped")]
+    text = "why each CPU and node is used or skipped:\n" + format_findings(placed)
+    if against:
+        text += "\n\nworks against the binding (see `numaserve doctor`):\n" + format_findings(against)
+    return text
+
+
 def plan_json(plan: Plan, topology_root: str, declared: str | None,
               envs: dict[int, dict[str, str]] | None = None) -> dict[str, Any]:
     """``Plan.to_json`` plus where the topology came from and each slot's environment."""
@@ -97,6 +109,8 @@ def slot_envs(cfg: Any, plan: Plan, topo: Any) -> dict[int, dict[str, str]]:
 @click.option("--nodes", default=None, metavar="SPEC", help='Nodes to place workers on: "all" or a list like 0,2-3.')
 @click.option("--workers-per-node", "workers_per_node", default=None, metavar="N|auto",
               help='Workers per node: an integer >= 1, or "auto" (GPUs, else physical cores).')
+@click.option("--explain", is_flag=True, default=False,
+              help="Also say why each CPU and node is used or skipped, and what works against the binding.")
 @click.option("--json/--no-json", "as_json", default=None,
               help="JSON output (default: when stdout is not a terminal).")
 def plan(
@@ -105,6 +119,7 @@ def plan(
     declared: str | None,
     nodes: str | None,
     workers_per_node: str | None,
+    explain: bool,
     as_json: bool | None,
 ) -> None:
     """Show the worker slots: node, CPUs, memory policy and GPUs of each."""
@@ -125,10 +140,20 @@ def plan(
     topo = discover(p.sysfs_root or "/", declared=p.topology_file or None)
     result = make_plan(topo, p)
     envs = slot_envs(cfg, result, topo)
+    findings = None
+    if explain:
+        from numaserve.tools.explain import explain as explain_plan
+
+        findings = explain_plan(topo, result, cfg)
     if want_json(as_json):
-        echo_json(plan_json(result, topo.root, topo.declared, envs))
+        out = plan_json(result, topo.root, topo.declared, envs)
+        if findings is not None:
+            out["explain"] = [f.to_json() for f in findings]
+        echo_json(out)
     else:
         click.echo(format_plan(result))
+        if findings is not None:
+            click.echo("\n" + format_explain(findings))
         shown = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
         lines = []
         for slot, env in envs.items():
