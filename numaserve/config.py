@@ -82,6 +82,7 @@ class PlacementConfig(_Section):
     reserve_irq_cpus: int = 0
     topology_file: str = ""
     sysfs_root: str = "/"
+    slots: Literal["node", "core", "l3", "gpu"] = "node"
 
 
 class SupervisorConfig(_Section):

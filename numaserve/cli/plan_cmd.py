@@ -31,6 +31,13 @@ def _memory(mempolicy: str, nodes: tuple[int, ...]) -> str:
     return f"{mempolicy}:{format_nodes(nodes)}" if nodes else mempolicy
 
 
+def _shape(plan: Plan) -> str:
+    per = {"core": "physical core", "l3": "L3 cache group", "gpu": "GPU"}
+    if plan.shape in per:
+        return f"slots={plan.shape}: one per {per[plan.shape]}"
+    return f"workers_per_node={plan.workers_per_node}"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table, then IRQ CPUs, skipped nodes and notes."""
     header = ("SLOT", "NODE", "IDX", "CPUS", "MEMORY", "GPUS")
@@ -48,8 +55,7 @@ def format_plan(plan: Plan) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         f"{len(plan.slots)} slot(s) on node(s) {format_nodes(plan.nodes)} "
-        f"(workers_per_node={plan.workers_per_node}, cpu_split={plan.cpu_split}, "
-        f"mempolicy={plan.mempolicy})",
+        f"({_shape(plan)}, cpu_split={plan.cpu_split}, mempolicy={plan.mempolicy})",
         "",
     ]
     for r in [header, *rows]:
@@ -109,6 +115,8 @@ def slot_envs(cfg: Any, plan: Plan, topo: Any) -> dict[int, dict[str, str]]:
 @click.option("--nodes", default=None, metavar="SPEC", help='Nodes to place workers on: "all" or a list like 0,2-3.')
 @click.option("--workers-per-node", "workers_per_node", default=None, metavar="N|auto",
               help='Workers per node: an integer >= 1, or "auto" (GPUs, else physical cores).')
+@click.option("--slots", "slots", default=None, type=click.Choice(["node", "core", "l3", "gpu"]),
+              help="Slot shape: one worker per node (workers_per_node), physical core, L3 cache group or GPU.")
 @click.option("--explain", is_flag=True, default=False,
               help="Also say why each CPU and node is used or skipped, and what works against the binding.")
 @click.option("--json/--no-json", "as_json", default=None,
@@ -119,6 +127,7 @@ def plan(
     declared: str | None,
     nodes: str | None,
     workers_per_node: str | None,
+    slots: str | None,
     explain: bool,
     as_json: bool | None,
 ) -> None:
@@ -131,6 +140,7 @@ def plan(
                 "workers_per_node": _workers_flag(workers_per_node),
                 "sysfs_root": root,
                 "topology_file": declared,
+                "slots": slots,
             }
         },
     )
