@@ -77,7 +77,7 @@ def format_plan(plan: Plan) -> str:
 
 def format_explain(findings: list[Any]) -> str:
     """``plan --explain`` text: CPUs and nodes, then what works against the binding."""
-    from numaserve.tools.explain import format_findings
+    from numaserve.bind.explain import format_findings
 
     placed = [f for f in findings if f.verdict in ("used", "skipped")]
     against = [f for f in findings if f.verdict not in ("used", "skipped")]

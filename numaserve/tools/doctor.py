@@ -290,6 +290,36 @@ def check_memory_nodes(topo: Topology) -> Check:
     return Check("memory_nodes", "ok", "every node has CPUs and memory")
 
 
+def check_placement(topo: Topology, config: Config, requested_nodes: Iterable[int] | None = None) -> Check:
+    """The plan `start` would make: refused (fail), or which CPUs get no worker and why.
+
+    The reasons are ``plan --explain``'s own; an SMT sibling left out by the
+    cpuset is a warning (another process shares the core with a worker).
+    """
+    from numaserve.bind.explain import cpu_findings, group_cpus
+    from numaserve.bind.placement import make_plan
+
+    shape = config.placement.slots
+    try:
+        plan = make_plan(topo, config.placement, nodes=None if requested_nodes is None else list(requested_nodes))
+    except UsageError as e:
+        return Check("placement", "fail", f"start would refuse this placement: {e}", "",
+                     "numaserve plan --explain shows the nodes and CPUs; fix [placement] or the flags")
+    idle = [f for f in group_cpus(cpu_findings(topo, plan)) if f.verdict == "skipped"]
+    head = f"{len(plan.slots)} slot(s) (slots = {shape}) on node(s) {format_list(plan.nodes)}"
+    if not idle:
+        return Check("placement", "ok", f"{head}; every usable CPU has a slot")
+    detail = "\n".join(f"{f.subject}: {f.reason}" for f in idle)
+    smt = [f.subject for f in idle if f.reason.startswith("SMT sibling")]
+    if smt:
+        return Check("placement", "warn",
+                     f"{head}; {', '.join(smt)} left out of half-allowed cores: another process shares those "
+                     "cores with a worker", detail,
+                     "allow whole cores in the cpuset (both hardware threads), e.g. systemd AllowedCPUs=")
+    return Check("placement", "info", f"{head}; CPUs without a worker: " + "; ".join(
+        f"{f.subject} ({f.reason.split(':')[0]})" for f in idle), detail)
+
+
 def check_somaxconn(topo: Topology, config: Config) -> Check:
     v = _sysctl_int(topo, "net.core.somaxconn")
     backlog = config.server.backlog
@@ -526,6 +556,7 @@ def run_checks(
         check_isolated_cpus(topo),
         check_sub_numa(topo),
         check_memory_nodes(topo),
+        check_placement(topo, config, requested_nodes),
         check_somaxconn(topo, config),
         check_tcp_migrate_req(topo),
         check_kernel(topo),

@@ -15,7 +15,8 @@ from numaserve.cli.plan_cmd import plan as plan_command
 from numaserve.config import Config, PlacementConfig
 from numaserve.net.irq import IrqSettings
 from numaserve.tools.doctor import run_checks
-from numaserve.tools.explain import Finding, cpu_findings, explain, hazards, node_findings
+from numaserve.bind.explain import Finding, cpu_findings, node_findings
+from numaserve.tools.explain import explain, hazards
 from numaserve.topology import discover
 from numaserve.topology.cpufacts import cmdline_cpus
 
@@ -222,3 +223,27 @@ def test_explain_folds_cpu_runs(hwloc_root) -> None:
     topo = discover(str(root))
     out = _by_subject(explain(topo, make_plan(topo, PlacementConfig()), Config()))
     assert out["cpus 0,4,8,12,16,20,24,28,32,36"].reason == "slot 0 (node 0)"
+
+
+def test_doctor_sums_up_the_cpus_without_a_worker(fake) -> None:
+    fake.two_nodes()  # cores 0-1, 2-3, 4-5, 6-7
+    fake.write("sys/devices/system/cpu/present", "0-8")  # cpu 8 offline
+    fake.write("sys/devices/system/cpu/isolated", "7")
+    topo = discover(str(fake.path))
+    checks = {c.id: c for c in run_checks(topo, Config())}
+    c = checks["placement"]
+    assert c.verdict == "info" and "cpu 8 (offline" in c.summary and "cpu 7 (isolated" in c.summary
+    fake.status(cpus="0,2-8")  # CPU 1, sibling of CPU 0, forbidden
+    checks = {c.id: c for c in run_checks(discover(str(fake.path)), Config())}
+    c = checks["placement"]
+    assert c.verdict == "warn" and "cpu 1 left out of half-allowed cores" in c.summary
+    assert "cpu 1: SMT sibling of CPU 0 left out" in c.detail and "AllowedCPUs" in c.fix
+    assert {x.id: x for x in run_checks(discover(str(fake.path)), Config())}["cpuset"].verdict == "warn"
+
+
+def test_doctor_fails_a_placement_start_would_refuse(fake) -> None:
+    fake.two_nodes()  # no L3 cache information in this tree
+    c = {x.id: x for x in run_checks(discover(str(fake.path)), Config(placement=PlacementConfig(slots="l3")))}
+    assert c["placement"].verdict == "fail" and 'slots = "l3": no L3 cache information' in c["placement"].summary
+    c = {x.id: x for x in run_checks(discover(str(fake.path)), Config())}
+    assert c["placement"].verdict == "ok" and "every usable CPU has a slot" in c["placement"].summary
