@@ -37,6 +37,7 @@ from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
 from numaserve.bind.nodespec import parse_node_spec
 from numaserve.bind.shapes import check_shape, l3_slots
+from numaserve.bind.workerenv import GPU_VENDORS
 from numaserve.topology.gpus import is_compute_gpu
 from numaserve.topology.model import Node, Topology
 
@@ -521,6 +522,7 @@ def make_plan(
 
     if shape == "gpu":
         notes.extend(_unplaced_gpu_notes(topo, {n.id for n in planned}, reasons))
+        notes.extend(_unnamed_gpu_notes(topo, slots))
     if k > 0 and not any(_local_nic(topo, n.id) for n in planned):
         notes.append(f"reserve_irq_cpus = {k}: no planned node has a local NIC; nothing reserved")
 
@@ -534,6 +536,16 @@ def make_plan(
         irq_cpus=irq_cpus,
         shape=shape,
     )
+
+
+def _unnamed_gpu_notes(topo: Topology, slots: Sequence[SlotPlan]) -> list[str]:
+    """GPU slots whose GPU no visibility variable can name (vendor unknown to numaserve)."""
+    vendor = {g.pci: (g.vendor or "").lower() for g in topo.gpus}
+    return [
+        f"slot {s.slot}: GPU {s.gpus[0]} (vendor {vendor.get(s.gpus[0]) or 'unknown'}): no visibility variable "
+        f"known for it, the worker sees every device; set one in [env.slot.\"{s.slot}\"]"
+        for s in slots if s.gpus and vendor.get(s.gpus[0]) not in GPU_VENDORS
+    ]
 
 
 def _unplaced_gpu_notes(topo: Topology, planned: set[int], reasons: dict[int, str | None]) -> list[str]:

@@ -243,10 +243,11 @@ def check_isolated_cpus(topo: Topology) -> Check:
 def check_sub_numa(topo: Topology) -> Check:
     """Several nodes in one socket (sub-NUMA clustering, multi-die packages): a node is a slice of a socket."""
     by_pkg: dict[int, set[int]] = {}
-    node_of = topo.cpu_node()
+    # real memory nodes: pretend nodes of a declared topology that share one are not clusters
+    mem_of = {c: n.bind_node for n in topo.nodes for c in n.cpus}
     for cpu, pkg in topo.cpu_facts.packages.items():
-        if cpu in node_of:
-            by_pkg.setdefault(pkg, set()).add(node_of[cpu])
+        if cpu in mem_of:
+            by_pkg.setdefault(pkg, set()).add(mem_of[cpu])
     if not by_pkg:
         return Check("sub_numa", "info", "socket of each CPU unknown (no physical_package_id)")
     split = {p: sorted(n) for p, n in sorted(by_pkg.items()) if len(n) > 1}
@@ -254,9 +255,10 @@ def check_sub_numa(topo: Topology) -> Check:
         return Check("sub_numa", "ok", f"one NUMA node per socket ({len(by_pkg)} socket(s))")
     where = "; ".join(f"socket {p}: nodes {format_list(n)}" for p, n in split.items())
     pairs = []
+    real = {n.id: n for n in topo.nodes}
     for nodes in split.values():
         a, b = nodes[0], nodes[1]
-        d = topo.node(a).distances.get(b)
+        d = real[a].distances.get(b) if a in real else None
         if d is not None:
             pairs.append(f"node {a} -> {b}: {d}")
     return Check(

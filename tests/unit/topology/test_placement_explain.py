@@ -247,3 +247,15 @@ def test_doctor_fails_a_placement_start_would_refuse(fake) -> None:
     assert c["placement"].verdict == "fail" and 'slots = "l3": no L3 cache information' in c["placement"].summary
     c = {x.id: x for x in run_checks(discover(str(fake.path)), Config())}
     assert c["placement"].verdict == "ok" and "every usable CPU has a slot" in c["placement"].summary
+
+
+def test_declared_pretend_nodes_on_one_memory_node_are_not_sub_numa(fake, tmp_path: Path) -> None:
+    fake.two_nodes()
+    for c in range(8):
+        fake.write(f"sys/devices/system/cpu/cpu{c}/topology/physical_package_id", "0")
+    assert _doctor(fake.path)["sub_numa"] == "warn"  # two real nodes in socket 0
+    decl = tmp_path / "topo.toml"
+    decl.write_text('mode = "replace"\n[[node]]\nid = 0\ncpus = "0-1"\nmemory_node = 0\n'
+                    '[[node]]\nid = 1\ncpus = "2-3"\nmemory_node = 0\n')
+    topo = discover(str(fake.path), declared=str(decl))
+    assert {c.id: c for c in run_checks(topo, Config())}["sub_numa"].verdict == "ok"

@@ -206,3 +206,8 @@ def test_plan_cli_slots_flag(two_node, tmp_path: Path, monkeypatch: pytest.Monke
     run = CliRunner().invoke(plan_command, ["--config", str(cfg), "--root", str(two_node.path), "--slots", "core",
                                             "--workers-per-node", "2"])
     assert isinstance(run.exception, UsageError) and 'applies to slots = "node" only' in str(run.exception)
+
+
+def test_gpu_slot_whose_vendor_has_no_visibility_variable_is_noted(hwloc_root) -> None:
+    _, plan = _plan(hwloc_root(POWER9), slots="gpu")  # the dump has no PCI vendor files
+    assert any(n.startswith("slot 0: GPU 0004:05:00.0 (vendor unknown): no visibility variable") for n in plan.notes)
