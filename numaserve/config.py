@@ -91,6 +91,7 @@ class PlacementConfig(_Section):
     repair: Literal["off", "migrate", "recycle"] = "off"
     repair_threshold: float = 0.9
     repair_hold: int = 3
+    slots: Literal["node", "core", "l3", "gpu"] = "node"
 
 
 class SupervisorConfig(_Section):

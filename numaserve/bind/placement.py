@@ -36,6 +36,9 @@ from numaserve.config import PlacementConfig
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
 from numaserve.bind.nodespec import parse_node_spec
+from numaserve.bind.shapes import check_shape, l3_slots
+from numaserve.bind.workerenv import GPU_VENDORS
+from numaserve.topology.gpus import is_compute_gpu
 from numaserve.topology.model import Node, Topology
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "make_plan",
     "reserved_irq_cpus",
     "physical_cores",
+    "placeable_cpus",
     "split_cpus",
     "parse_workers_per_node",
     "format_nodes",
@@ -109,6 +113,7 @@ class Plan:
     workers_per_node: int | str = 1
     cpu_split: str = "split"
     irq_cpus: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    shape: str = "node"
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -124,6 +129,7 @@ class Plan:
             "workers_per_node": self.workers_per_node,
             "cpu_split": self.cpu_split,
             "irq_cpus": {str(k): list(v) for k, v in sorted(self.irq_cpus.items())},
+            "shape": self.shape,
         }
 
 
@@ -194,7 +200,7 @@ def _reserve(topo: Topology, node: Node, k: int) -> tuple[tuple[int, ...], str |
         raise ValueError(f"reserve_irq_cpus must be >= 0, got {k}")
     if k == 0 or not _local_nic(topo, node.id):
         return (), None
-    cores = physical_cores(topo, node.usable_cpus)
+    cores = physical_cores(topo, placeable_cpus(topo, node))
     if len(cores) <= 1:
         return (), (
             f"node {node.id}: reserve_irq_cpus = {k} not applied: the node has "
@@ -290,6 +296,17 @@ def _memory_problem(topo: Topology, node: Node, mempolicy: str) -> str | None:
     return None
 
 
+def placeable_cpus(topo: Topology, node: Node) -> tuple[int, ...]:
+    """The node's CPUs a worker may get: usable (affinity ∩ cpuset) and not isolated.
+
+    Isolated CPUs (``isolcpus``) are left out: the scheduler never balances
+    load onto them, so a worker's threads would pile up on one CPU, and they
+    were isolated for some other latency-critical task.
+    """
+    isolated = set(topo.cpu_facts.isolated)
+    return tuple(c for c in node.usable_cpus if c not in isolated)
+
+
 def _skip_reason(topo: Topology, node: Node, mempolicy: str) -> str | None:
     """Why ``node`` cannot host workers, or None when it can."""
     if node.cpu_less:
@@ -299,6 +316,8 @@ def _skip_reason(topo: Topology, node: Node, mempolicy: str) -> str | None:
             f"no usable CPUs: this process may not run on its CPUs {format_list(node.cpus)} "
             f"(allowed CPUs: {format_list(topo.allowed_cpus) or 'none'}; affinity or cgroup cpuset)"
         )
+    if not placeable_cpus(topo, node):
+        return f"its usable CPUs {format_list(node.usable_cpus)} are all isolated (isolcpus)"
     return _memory_problem(topo, node, mempolicy)
 
 
@@ -315,6 +334,41 @@ def _interleave_nodes(topo: Topology, planned: Sequence[Node]) -> tuple[int, ...
     return tuple(sorted(out))
 
 
+def _deal_gpus(node: Node, node_gpus: tuple[str, ...], n: int, notes: list[str]) -> list[tuple[str, ...]]:
+    """GPUs of each of ``n`` workers of a node: round-robin when there are at least
+    as many GPUs as workers, else every worker sees all of them (noted)."""
+    if n > 1 and len(node_gpus) >= n:
+        return [tuple(node_gpus[i::n]) for i in range(n)]
+    if n > 1 and node_gpus:
+        notes.append(f"node {node.id}: {n} workers share its {len(node_gpus)} GPU(s)")
+    return [node_gpus] * n
+
+
+def _split(topo: Topology, node: Node, worker_cpus: tuple[int, ...], n: int, cpu_split: str,
+           notes: list[str]) -> list[tuple[int, ...]]:
+    """``worker_cpus`` for ``n`` workers of a node (``cpu_split``), noting any sharing."""
+    if cpu_split == "shared":
+        return [worker_cpus] * n
+    per_cpus, mode = split_cpus(topo, worker_cpus, n)
+    if mode == "threads":
+        ncores = len(physical_cores(topo, worker_cpus))
+        notes.append(
+            f"node {node.id}: {n} workers > {ncores} physical cores: "
+            "split by hardware thread, so some workers share a core"
+        )
+    elif mode == "shared":
+        notes.append(
+            f"node {node.id}: {n} workers > {len(worker_cpus)} usable CPUs: "
+            "CPUs are dealt round-robin, so some workers share a CPU"
+        )
+    return per_cpus
+
+
+def _node_gpus(topo: Topology, node_id: int, *, compute_only: bool = False) -> tuple[str, ...]:
+    return tuple(sorted(g.pci for g in topo.gpus
+                        if g.numa_node == node_id and (not compute_only or is_compute_gpu(g))))
+
+
 def _node_workers(
     topo: Topology,
     node: Node,
@@ -322,11 +376,23 @@ def _node_workers(
     wpn: int | Literal["auto"],
     cpu_split: str,
     notes: list[str],
+    shape: str = "node",
 ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """(CPUs, GPUs) of each worker of one node; appends operator notes to ``notes``."""
     kept = set(reserved)
-    worker_cpus = tuple(c for c in node.usable_cpus if c not in kept)
-    node_gpus = tuple(sorted(g.pci for g in topo.gpus if g.numa_node == node.id))
+    worker_cpus = tuple(c for c in placeable_cpus(topo, node) if c not in kept)
+    node_gpus = _node_gpus(topo, node.id)
+
+    if shape == "gpu":
+        gpus = _node_gpus(topo, node.id, compute_only=True)
+        per_cpus = _split(topo, node, worker_cpus, len(gpus), cpu_split, notes)
+        return [(cpus, (g,)) for cpus, g in zip(per_cpus, gpus)]
+    if shape == "core":
+        groups = physical_cores(topo, worker_cpus)
+        return list(zip(groups, _deal_gpus(node, node_gpus, len(groups), notes)))
+    if shape == "l3":
+        groups = l3_slots(topo, node.id, worker_cpus)
+        return list(zip(groups, _deal_gpus(node, node_gpus, len(groups), notes)))
 
     if wpn != "auto":
         n = wpn
@@ -336,30 +402,8 @@ def _node_workers(
     else:
         n = len(physical_cores(topo, worker_cpus))
         notes.append(f"node {node.id}: workers_per_node auto = {n} (one per physical core)")
-
-    if cpu_split == "shared":
-        per_cpus = [worker_cpus] * n
-    else:
-        per_cpus, mode = split_cpus(topo, worker_cpus, n)
-        if mode == "threads":
-            ncores = len(physical_cores(topo, worker_cpus))
-            notes.append(
-                f"node {node.id}: {n} workers > {ncores} physical cores: "
-                "split by hardware thread, so some workers share a core"
-            )
-        elif mode == "shared":
-            notes.append(
-                f"node {node.id}: {n} workers > {len(worker_cpus)} usable CPUs: "
-                "CPUs are dealt round-robin, so some workers share a CPU"
-            )
-
-    if n > 1 and len(node_gpus) >= n:
-        per_gpus = [tuple(node_gpus[i::n]) for i in range(n)]
-    else:
-        per_gpus = [node_gpus] * n
-        if n > 1 and node_gpus:
-            notes.append(f"node {node.id}: {n} workers share its {len(node_gpus)} GPU(s)")
-    return list(zip(per_cpus, per_gpus))
+    per_cpus = _split(topo, node, worker_cpus, n, cpu_split, notes)
+    return list(zip(per_cpus, _deal_gpus(node, node_gpus, n, notes)))
 
 
 # --- the plan ---------------------------------------------------------------------
@@ -401,9 +445,15 @@ def make_plan(
         raise UsageError(f"reserve_irq_cpus {placement.reserve_irq_cpus}: expected an integer >= 0")
     wpn = parse_workers_per_node(placement.workers_per_node if workers_per_node is None else workers_per_node)
     requested = _requested_nodes(placement.nodes if nodes is None else nodes)
+    shape = placement.slots
+    check_shape(shape, wpn, placement.cpu_split)
 
     all_nodes = sorted(topo.nodes, key=lambda n: n.id)
     reasons = {n.id: _skip_reason(topo, n, mempolicy) for n in all_nodes}
+    if shape == "gpu":
+        for n in all_nodes:
+            if reasons[n.id] is None and not _node_gpus(topo, n.id, compute_only=True):
+                reasons[n.id] = 'no GPU (slots = "gpu")'
     usable = [n.id for n in all_nodes if reasons[n.id] is None]
     usable_text = format_nodes(usable)
 
@@ -424,6 +474,9 @@ def make_plan(
                 raise UsageError(f"node {nid} cannot be used: {reasons[nid]}; usable nodes: {usable_text}")
             planned.append(by_id[nid])
 
+    if not planned and shape == "gpu" and not any(is_compute_gpu(g) for g in topo.gpus):
+        found = ", ".join(f"{g.pci} (vendor {g.vendor}, display only)" for g in topo.gpus) or "none"
+        raise UsageError(f'slots = "gpu": this machine has no compute GPU (PCI display/accelerator devices: {found})')
     if not planned:
         why = "; ".join(f"node {s.node}: {s.reason}" for s in skipped) or "the topology lists no nodes"
         raise UsageError(f"no node can take workers: {why}")
@@ -451,7 +504,8 @@ def make_plan(
             memory_nodes = interleave
         else:
             memory_nodes = ()
-        for i, (cpus, gpus) in enumerate(_node_workers(topo, node, reserved, wpn, placement.cpu_split, notes)):
+        workers = _node_workers(topo, node, reserved, wpn, placement.cpu_split, notes, shape)
+        for i, (cpus, gpus) in enumerate(workers):
             slot = len(slots)
             slots.append(
                 SlotPlan(
@@ -466,6 +520,9 @@ def make_plan(
                 )
             )
 
+    if shape == "gpu":
+        notes.extend(_unplaced_gpu_notes(topo, {n.id for n in planned}, reasons))
+        notes.extend(_unnamed_gpu_notes(topo, slots))
     if k > 0 and not any(_local_nic(topo, n.id) for n in planned):
         notes.append(f"reserve_irq_cpus = {k}: no planned node has a local NIC; nothing reserved")
 
@@ -477,4 +534,29 @@ def make_plan(
         workers_per_node=wpn,
         cpu_split=placement.cpu_split,
         irq_cpus=irq_cpus,
+        shape=shape,
     )
+
+
+def _unnamed_gpu_notes(topo: Topology, slots: Sequence[SlotPlan]) -> list[str]:
+    """GPU slots whose GPU no visibility variable can name (vendor unknown to numaserve)."""
+    vendor = {g.pci: (g.vendor or "").lower() for g in topo.gpus}
+    return [
+        f"slot {s.slot}: GPU {s.gpus[0]} (vendor {vendor.get(s.gpus[0]) or 'unknown'}): no visibility variable "
+        f"known for it, the worker sees every device; set one in [env.slot.\"{s.slot}\"]"
+        for s in slots if s.gpus and vendor.get(s.gpus[0]) not in GPU_VENDORS
+    ]
+
+
+def _unplaced_gpu_notes(topo: Topology, planned: set[int], reasons: dict[int, str | None]) -> list[str]:
+    """Why a compute GPU got no slot under slots = "gpu" (unknown node, node not planned)."""
+    notes = []
+    for g in sorted(topo.gpus, key=lambda g: g.pci):
+        if not is_compute_gpu(g) or g.numa_node in planned:
+            continue
+        if g.numa_node is None:
+            notes.append(f"GPU {g.pci}: NUMA node unknown (sysfs numa_node -1): no slot")
+        else:
+            why = reasons.get(g.numa_node) or "not requested (placement.nodes)"
+            notes.append(f"GPU {g.pci} gets no slot: its node {g.numa_node}: {why}")
+    return notes

@@ -31,6 +31,13 @@ def _memory(mempolicy: str, nodes: tuple[int, ...]) -> str:
     return f"{mempolicy}:{format_nodes(nodes)}" if nodes else mempolicy
 
 
+def _shape(plan: Plan) -> str:
+    per = {"core": "physical core", "l3": "L3 cache group", "gpu": "GPU"}
+    if plan.shape in per:
+        return f"slots={plan.shape}: one per {per[plan.shape]}"
+    return f"workers_per_node={plan.workers_per_node}"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a readable table, then IRQ CPUs, skipped nodes and notes."""
     header = ("SLOT", "NODE", "IDX", "CPUS", "MEMORY", "GPUS")
@@ -48,8 +55,7 @@ def format_plan(plan: Plan) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         f"{len(plan.slots)} slot(s) on node(s) {format_nodes(plan.nodes)} "
-        f"(workers_per_node={plan.workers_per_node}, cpu_split={plan.cpu_split}, "
-        f"mempolicy={plan.mempolicy})",
+        f"({_shape(plan)}, cpu_split={plan.cpu_split}, mempolicy={plan.mempolicy})",
         "",
     ]
     for r in [header, *rows]:
@@ -67,6 +73,18 @@ def format_plan(plan: Plan) -> str:
         lines.append("notes:")
         lines.extend(f"  {n}" for n in plan.notes)
     return "\n".join(lines)
+
+
+def format_explain(findings: list[Any]) -> str:
+    """``plan --explain`` text: CPUs and nodes, then what works against the binding."""
+    from numaserve.bind.explain import format_findings
+
+    placed = [f for f in findings if f.verdict in ("used", "skipped")]
+    against = [f for f in findings if f.verdict not in ("used", "skipped")]
+    text = "why each CPU and node is used or skipped:\n" + format_findings(placed)
+    if against:
+        text += "\n\nworks against the binding (see `numaserve doctor`):\n" + format_findings(against)
+    return text
 
 
 def plan_json(plan: Plan, topology_root: str, declared: str | None,
@@ -98,12 +116,18 @@ def slot_envs(cfg: Any, plan: Plan, topo: Any) -> dict[int, dict[str, str]]:
 @click.option("--workers-per-node", "workers_per_node", default=None, metavar="N|auto",
               help='Workers per node: an integer >= 1, or "auto" (GPUs, else physical cores).')
 @output_option
+@click.option("--slots", "slots", default=None, type=click.Choice(["node", "core", "l3", "gpu"]),
+              help="Slot shape: one worker per node (workers_per_node), physical core, L3 cache group or GPU.")
+@click.option("--explain", is_flag=True, default=False,
+              help="Also say why each CPU and node is used or skipped, and what works against the binding.")
 def plan(
     config_path: str | None,
     root: str | None,
     declared: str | None,
     nodes: str | None,
     workers_per_node: str | None,
+    slots: str | None,
+    explain: bool,
     as_json: bool | None,
 ) -> None:
     """Show the worker slots: node, CPUs, memory policy and GPUs of each."""
@@ -115,6 +139,7 @@ def plan(
                 "workers_per_node": _workers_flag(workers_per_node),
                 "sysfs_root": root,
                 "topology_file": declared,
+                "slots": slots,
             }
         },
     )
@@ -124,10 +149,20 @@ def plan(
     topo = discover(p.sysfs_root or "/", declared=p.topology_file or None)
     result = make_plan(topo, p)
     envs = slot_envs(cfg, result, topo)
+    findings = None
+    if explain:
+        from numaserve.tools.explain import explain as explain_plan
+
+        findings = explain_plan(topo, result, cfg)
     if want_json(as_json):
-        echo_json(plan_json(result, topo.root, topo.declared, envs))
+        out = plan_json(result, topo.root, topo.declared, envs)
+        if findings is not None:
+            out["explain"] = [f.to_json() for f in findings]
+        echo_json(out)
     else:
         click.echo(format_plan(result))
+        if findings is not None:
+            click.echo("\n" + format_explain(findings))
         shown = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
         lines = []
         for slot, env in envs.items():

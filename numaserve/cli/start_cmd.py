@@ -30,6 +30,8 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 @click.option("--workers-per-node", default=None, help='Workers per node: N or "auto".')
 @click.option("--bind", "binds", multiple=True,
               help="HOST:PORT to listen on (repeatable; [::]:PORT for IPv6; unix:/PATH for a unix socket).")
+@click.option("--slots", default=None, type=click.Choice(["node", "core", "l3", "gpu"]),
+              help="Slot shape: one worker per node (workers_per_node), physical core, L3 cache group or GPU.")
 @click.option("--app", default=None, help="ASGI app as module:attr (default: the embedded demo app).")
 @click.option("--cmd", default=None, help='External server command per slot, e.g. "uvicorn app:app --fd {fd}".')
 @click.option("--app-dir", default=None, help="Directory prepended to sys.path before importing --app.")
@@ -74,6 +76,7 @@ def start(
     config_path: str | None,
     nodes: str | None,
     workers_per_node: str | None,
+    slots: str | None,
     binds: tuple[str, ...],
     app: str | None,
     cmd: str | None,
@@ -145,6 +148,7 @@ def start(
             "sysfs_root": root,
             "topology_file": declared,
             "mempolicy": mempolicy,
+            "slots": slots,
         },
         "supervisor": {"runtime_dir": runtime_dir},
         "cmd": {"allow_host_port": allow_host_port or None},

@@ -193,6 +193,135 @@ def check_thp(topo: Topology) -> Check:
     return Check("thp", "ok", f"transparent huge pages = {mode}")
 
 
+def check_thp_defrag(topo: Topology, config: Config) -> Check:
+    """THP defrag settings that stall or move a worker's pages (``enabled`` itself is ``check_thp``)."""
+    enabled = _thp_mode(topo.system.thp)
+    defrag, khugepaged = topo.system.thp_defrag, topo.system.thp_khugepaged_defrag
+    if enabled is None or defrag is None:
+        return Check("thp_defrag", "info", "transparent huge pages defrag settings unknown")
+    if enabled == "never":
+        return Check("thp_defrag", "ok", "transparent huge pages off: no defrag or collapse")
+    if defrag == "always":
+        return Check(
+            "thp_defrag", "warn", "transparent_hugepage/defrag = always: page faults stall in direct compaction",
+            "A fault that finds no free 2 MiB page compacts memory first. Under mempolicy = bind the only "
+            "place it may look is the worker's node, so a fragmented node turns into request-latency stalls.",
+            "echo defer+madvise > /sys/kernel/mm/transparent_hugepage/defrag",
+        )
+    if enabled == "always" and khugepaged == 1:
+        bind = config.placement.mempolicy == "bind"
+        return Check(
+            "thp_defrag", "info" if bind else "warn",
+            "khugepaged collapses every anonymous range (enabled = always, khugepaged/defrag = 1)",
+            "khugepaged copies 4 KiB pages into a new 2 MiB page on the node that holds most of them: a range "
+            "whose pages sit on two nodes ends up whole on one of them. With mempolicy = bind every page is "
+            "on the worker's node already; with other policies pages move across nodes in the background.",
+            "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
+        )
+    return Check("thp_defrag", "ok", f"transparent huge pages defrag = {defrag}, khugepaged/defrag = {khugepaged}")
+
+
+def check_isolated_cpus(topo: Topology) -> Check:
+    """isolcpus / nohz_full CPUs: placement leaves isolated CPUs to whatever they were isolated for."""
+    facts = topo.cpu_facts
+    if not facts.isolated and not facts.nohz_full:
+        return Check("isolated_cpus", "ok", "no isolated (isolcpus) or nohz_full CPUs")
+    parts = []
+    if facts.isolated:
+        parts.append(f"CPUs {format_list(facts.isolated)} are isolated (isolcpus): no worker is placed there")
+    if facts.nohz_full:
+        parts.append(f"CPUs {format_list(facts.nohz_full)} are nohz_full: their tick stops only while one task "
+                     "runs, and a worker has several threads")
+    return Check(
+        "isolated_cpus", "info", "; ".join(parts),
+        "The scheduler does not balance load onto isolated CPUs, so a worker whose affinity includes them "
+        "would crowd its threads on the first CPU it lands on. They are kept for the latency-critical task "
+        "they were isolated for.",
+    )
+
+
+def check_sub_numa(topo: Topology) -> Check:
+    """Several nodes in one socket (sub-NUMA clustering, multi-die packages): a node is a slice of a socket."""
+    by_pkg: dict[int, set[int]] = {}
+    # real memory nodes: pretend nodes of a declared topology that share one are not clusters
+    mem_of = {c: n.bind_node for n in topo.nodes for c in n.cpus}
+    for cpu, pkg in topo.cpu_facts.packages.items():
+        if cpu in mem_of:
+            by_pkg.setdefault(pkg, set()).add(mem_of[cpu])
+    if not by_pkg:
+        return Check("sub_numa", "info", "socket of each CPU unknown (no physical_package_id)")
+    split = {p: sorted(n) for p, n in sorted(by_pkg.items()) if len(n) > 1}
+    if not split:
+        return Check("sub_numa", "ok", f"one NUMA node per socket ({len(by_pkg)} socket(s))")
+    where = "; ".join(f"socket {p}: nodes {format_list(n)}" for p, n in split.items())
+    pairs = []
+    real = {n.id: n for n in topo.nodes}
+    for nodes in split.values():
+        a, b = nodes[0], nodes[1]
+        d = real[a].distances.get(b) if a in real else None
+        if d is not None:
+            pairs.append(f"node {a} -> {b}: {d}")
+    return Check(
+        "sub_numa", "warn", f"several NUMA nodes per socket (sub-NUMA clustering or multi-die): {where}",
+        "Each node is a slice of a socket with its own memory controllers. A worker bound to one node gets "
+        "only that slice's memory bandwidth, and a remote access to the sibling node is cheaper than one to "
+        "another socket" + (f" (distance {', '.join(pairs)})" if pairs else "") + ". Placement is per node "
+        "either way; this is why per-node bandwidth looks low.",
+        "keep it for latency-bound serving; for bandwidth-bound workers turn sub-NUMA clustering off in the "
+        "firmware (one node per socket), or use mempolicy = \"interleave\" over the socket's nodes",
+    )
+
+
+def check_memory_nodes(topo: Topology) -> Check:
+    """Nodes with CPUs but no memory (every access remote) and memory-only nodes (GPU/CXL/HBM memory)."""
+    memless = [n.id for n in topo.nodes if n.cpus and not n.has_memory]
+    cpuless = [n.id for n in topo.nodes if not n.cpus]
+    if memless:
+        return Check(
+            "memory_nodes", "warn",
+            f"node(s) {format_list(memless)} have CPUs but no memory: every memory access from there is remote",
+            "Placement skips such a node under mempolicy bind/preferred (its memory node has nothing to bind "
+            "to)." + (f" Memory-only node(s) {format_list(cpuless)} get no worker." if cpuless else ""),
+            "use mempolicy = \"local\" or \"interleave\" to run workers there, or declare the node's "
+            "memory_node in a declared topology",
+        )
+    if cpuless:
+        return Check("memory_nodes", "info",
+                     f"memory-only node(s) {format_list(cpuless)} (no CPUs: GPU, CXL or HBM memory): no worker "
+                     "is placed there and bind never names them")
+    return Check("memory_nodes", "ok", "every node has CPUs and memory")
+
+
+def check_placement(topo: Topology, config: Config, requested_nodes: Iterable[int] | None = None) -> Check:
+    """The plan `start` would make: refused (fail), or which CPUs get no worker and why.
+
+    The reasons are ``plan --explain``'s own; an SMT sibling left out by the
+    cpuset is a warning (another process shares the core with a worker).
+    """
+    from numaserve.bind.explain import cpu_findings, group_cpus
+    from numaserve.bind.placement import make_plan
+
+    shape = config.placement.slots
+    try:
+        plan = make_plan(topo, config.placement, nodes=None if requested_nodes is None else list(requested_nodes))
+    except UsageError as e:
+        return Check("placement", "fail", f"start would refuse this placement: {e}", "",
+                     "numaserve plan --explain shows the nodes and CPUs; fix [placement] or the flags")
+    idle = [f for f in group_cpus(cpu_findings(topo, plan)) if f.verdict == "skipped"]
+    head = f"{len(plan.slots)} slot(s) (slots = {shape}) on node(s) {format_list(plan.nodes)}"
+    if not idle:
+        return Check("placement", "ok", f"{head}; every usable CPU has a slot")
+    detail = "\n".join(f"{f.subject}: {f.reason}" for f in idle)
+    smt = [f.subject for f in idle if f.reason.startswith("SMT sibling")]
+    if smt:
+        return Check("placement", "warn",
+                     f"{head}; {', '.join(smt)} left out of half-allowed cores: another process shares those "
+                     "cores with a worker", detail,
+                     "allow whole cores in the cpuset (both hardware threads), e.g. systemd AllowedCPUs=")
+    return Check("placement", "info", f"{head}; CPUs without a worker: " + "; ".join(
+        f"{f.subject} ({f.reason.split(':')[0]})" for f in idle), detail)
+
+
 def check_somaxconn(topo: Topology, config: Config) -> Check:
     v = _sysctl_int(topo, "net.core.somaxconn")
     backlog = config.server.backlog
@@ -425,6 +554,11 @@ def run_checks(
         check_nic_numa(topo),
         check_numa_balancing(topo, config),
         check_thp(topo),
+        check_thp_defrag(topo, config),
+        check_isolated_cpus(topo),
+        check_sub_numa(topo),
+        check_memory_nodes(topo),
+        check_placement(topo, config, requested_nodes),
         check_somaxconn(topo, config),
         check_tcp_migrate_req(topo),
         check_kernel(topo),

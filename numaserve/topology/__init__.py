@@ -19,19 +19,20 @@ from typing import Mapping
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
 from numaserve.topology.allowed import read_affinity, read_cgroup, read_status_mems
+from numaserve.topology.cpufacts import read_cpu_facts
 from numaserve.topology.cpus import online_cpus, smt_siblings
 from numaserve.topology.declared import apply_declared, declared_sysfs_map, load_declared
 from numaserve.topology.gpus import discover_gpus
 from numaserve.topology.interrupts import parse_interrupts
 from numaserve.topology.locality import identity_map
-from numaserve.topology.model import Gpu, HugePages, Irq, Nic, Node, SystemInfo, Topology, Unknown
+from numaserve.topology.model import CpuFacts, Gpu, HugePages, Irq, Nic, Node, SystemInfo, Topology, Unknown
 from numaserve.topology.nics import discover_nics
 from numaserve.topology.nodes import discover_nodes
 from numaserve.topology.sysfs import Root, Unknowns
 from numaserve.topology.system import discover_system
 
 __all__ = [
-    "discover", "Topology", "Node", "Nic", "Irq", "Gpu", "HugePages", "SystemInfo", "Unknown",
+    "discover", "Topology", "CpuFacts", "Node", "Nic", "Irq", "Gpu", "HugePages", "SystemInfo", "Unknown",
 ]
 
 
@@ -70,6 +71,7 @@ def discover(
     if online is None:
         online = tuple(sorted({c for n in scan.nodes for c in n.cpus}))
     smt = smt_siblings(fs, online, unknowns)
+    cpu_facts = read_cpu_facts(fs, online, unknowns)
 
     cgroup = read_cgroup(fs, unknowns)
     allowed_cpus = _intersect(online, read_affinity(fs, unknowns), cgroup.cpus)
@@ -121,4 +123,5 @@ def discover(
         system=discover_system(fs, unknowns, cgroup.version),
         unknowns=list(unknowns.items),
         declared=declared,
+        cpu_facts=cpu_facts,
     )

@@ -17,10 +17,22 @@ from numaserve.topology.locality import locate
 from numaserve.topology.model import Gpu, Node
 from numaserve.topology.sysfs import Root, Unknowns, read_cpus, read_int
 
-__all__ = ["PCI_DIR", "GPU_CLASS_PREFIXES", "discover_gpus"]
+__all__ = ["PCI_DIR", "GPU_CLASS_PREFIXES", "DISPLAY_ONLY_VENDORS", "discover_gpus", "is_compute_gpu"]
 
 PCI_DIR = "sys/bus/pci/devices"
 GPU_CLASS_PREFIXES = ("0x03", "0x12", "0x0b40")
+
+
+# VGA adapters of BMCs and hypervisors (ASPEED, Matrox, Cirrus, Bochs/QEMU, VMware,
+# Red Hat virtio-gpu/QXL, Hyper-V): class 0x0300 like a GPU, but nothing to compute on
+DISPLAY_ONLY_VENDORS = frozenset({"0x1a03", "0x102b", "0x1013", "0x1234", "0x15ad", "0x1af4", "0x1b36", "0x1414"})
+
+
+def is_compute_gpu(gpu: Gpu) -> bool:
+    """False for a BMC's or a VM's display adapter (a VGA class device of a
+    display-only vendor), True for every other GPU or accelerator."""
+    vga = (gpu.pci_class or "").lower().startswith("0x0300")
+    return not (vga and (gpu.vendor or "").lower() in DISPLAY_ONLY_VENDORS)
 
 
 def _text(fs: Root, rel: str) -> str | None:

@@ -124,6 +124,25 @@ class SystemInfo:
     sysctls: dict[str, int | str | None] = field(default_factory=dict)
     thp: str | None = None
     cgroup_version: int | None = None
+    thp_defrag: str | None = None
+    thp_khugepaged_defrag: int | None = None
+
+
+@dataclass
+class CpuFacts:
+    """Per-CPU facts placement explains itself with; empty when unread.
+
+    ``offline``: present but not online.  ``isolated``: ``cpu/isolated`` ∪
+    ``isolcpus=`` (no scheduler load balancing there); ``nohz_full``: the tick
+    stops only when one task runs.  ``packages``: CPU → physical package
+    (socket); ``l3``: CPU → the CPUs sharing its last-level (L3) cache.
+    """
+
+    offline: tuple[int, ...] = ()
+    isolated: tuple[int, ...] = ()
+    nohz_full: tuple[int, ...] = ()
+    packages: dict[int, int] = field(default_factory=dict)
+    l3: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +167,7 @@ class Topology:
     system: SystemInfo = field(default_factory=SystemInfo)
     unknowns: list[Unknown] = field(default_factory=list)
     declared: str | None = None
+    cpu_facts: CpuFacts = field(default_factory=CpuFacts)
 
     def node(self, node_id: int) -> Node:
         for n in self.nodes:

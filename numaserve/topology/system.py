@@ -17,7 +17,7 @@ import re
 from numaserve.topology.model import SystemInfo
 from numaserve.topology.sysfs import Root, Unknowns
 
-__all__ = ["SYSCTLS", "discover_system", "read_kernel", "read_irqbalance", "read_sysctl", "read_thp"]
+__all__ = ["SYSCTLS", "discover_system", "read_kernel", "read_irqbalance", "read_sysctl", "read_thp", "read_thp_defrag"]
 
 SYSCTLS = ("kernel.numa_balancing", "net.ipv4.tcp_migrate_req", "net.core.somaxconn", "net.ipv4.tcp_tw_reuse")
 _VERSION_RE = re.compile(r"^Linux version (\S+)")
@@ -71,8 +71,21 @@ def read_thp(fs: Root, unknowns: Unknowns) -> str | None:
     return None
 
 
+def read_thp_defrag(fs: Root) -> tuple[str | None, int | None]:
+    """(``transparent_hugepage/defrag`` selected mode, ``khugepaged/defrag`` 0/1); None when unread.
+
+    Not recorded as unknown: kernels without THP have neither file, and
+    nothing then works against a binding.
+    """
+    base = "sys/kernel/mm/transparent_hugepage"
+    m = _THP_RE.search(fs.read(f"{base}/defrag") or "")
+    text = (fs.read(f"{base}/khugepaged/defrag") or "").strip()
+    return (m.group(1) if m else None), (int(text) if text.isdigit() else None)
+
+
 def discover_system(fs: Root, unknowns: Unknowns, cgroup_version: int | None = None) -> SystemInfo:
     running, pids = read_irqbalance(fs, unknowns)
+    defrag, khugepaged_defrag = read_thp_defrag(fs)
     return SystemInfo(
         kernel=read_kernel(fs, unknowns),
         irqbalance_running=running,
@@ -80,4 +93,6 @@ def discover_system(fs: Root, unknowns: Unknowns, cgroup_version: int | None = N
         sysctls={name: read_sysctl(fs, name, unknowns) for name in SYSCTLS},
         thp=read_thp(fs, unknowns),
         cgroup_version=cgroup_version,
+        thp_defrag=defrag,
+        thp_khugepaged_defrag=khugepaged_defrag,
     )

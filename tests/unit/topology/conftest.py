@@ -21,7 +21,8 @@ import pytest
 from numaserve.cpulist import format_mask, parse_list
 
 REPO = Path(__file__).resolve().parents[3]
-HWLOC_DIR = REPO / ".." / "shared" / "fixtures" / "hwloc"
+# NUMASERVE_HWLOC_DIR: the dumps elsewhere (a worktree whose ../shared is not beside it)
+HWLOC_DIR = Path(os.environ.get("NUMASERVE_HWLOC_DIR") or REPO / ".." / "shared" / "fixtures" / "hwloc")
 STATIC_TREES = REPO / "tests" / "fixtures" / "sysfs"
 
 # fixture name -> ground-truth file (lstopo output) beside it
