@@ -54,6 +54,7 @@ from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_so
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import fdbudget, workerauth
 from numaserve.supervisor.audit import AuditLog
+from numaserve.supervisor.doorpeers import DoorPeers
 from numaserve.supervisor.frontdoor import FrontDoor, bind_tcp, bind_unix
 from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
@@ -167,6 +168,7 @@ class Supervisor:
         self.fdwatch: fdbudget.FdWatch | None = None
         self.fd_caps: fdbudget.CapsPlan | None = None
         self.ops_limiter = PeerRateLimiter(cfg.ops.rate_limit, cfg.ops.rate_burst)
+        self.door_peers = DoorPeers()             # who is behind each ops-ro front-door connection (rate key)
         self.audit = AuditLog(
             __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
         )
@@ -282,7 +284,7 @@ class Supervisor:
         self.fdwatch = fdbudget.FdWatch(limit=limit)
         idle = self.cfg.ops.idle_timeout
         self.doors.append(FrontDoor("ops-ro", ro_sock, str(self.runtime.path / OPS_RO_BACKEND),
-                                    max_connections=plan.caps["ops-ro"], idle_timeout=idle))
+                                    max_connections=plan.caps["ops-ro"], idle_timeout=idle, peers=self.door_peers))
         # a subscriber to rare events is quiet for long: no idle timeout (the cap still evicts quiet ones)
         self.doors.append(FrontDoor("events", events_sock, str(self.runtime.path / EVENTS_BACKEND),
                                     max_connections=plan.caps["events"], idle_timeout=None,
