@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
@@ -87,6 +88,7 @@ EVENTS_CLIENT_BYTES = 4096     # what one subscriber may send in all: greeting +
 _CLAIMED_KEYS = 8
 RATE_LIMITED_DELAY_MIN = 0.25   # a rate-limited reply waits at least this long (and at most the next)
 RATE_LIMITED_DELAY_MAX = 2.0
+STATUS_TTL = 0.5                # the read-only socket's status is at most this old
 DELAYED_MAX = 1024              # rate-limited replies waiting on one socket; past that answered at once
 _CLAIMED_TEXT = 200
 
@@ -242,7 +244,28 @@ def admit(sup: OpsServer, frames: Sequence[Any], channel: str) -> Admitted | Ans
         return None
 
 
-async def execute(sup: OpsServer, adm: Admitted, channel: str, *, readonly: bool = False) -> list[bytes] | None:
+class StatusCache:
+    """The read-only socket's ``status``, assembled at most every ``ttl`` s.
+
+    Assembling a status (every slot, front door, counter) is the cost of a
+    read-only flood; a reader of the group-readable socket gets a snapshot
+    at most ``ttl`` old.  The owner's socket always assembles it fresh.
+    """
+
+    def __init__(self, ttl: float = STATUS_TTL) -> None:
+        self.ttl = ttl
+        self._at = -1e18
+        self._value: Any = None
+
+    def get(self, sup: OpsServer) -> Any:
+        now = time.monotonic()
+        if now - self._at >= self.ttl:
+            self._value, self._at = sup.status(), now
+        return self._value
+
+
+async def execute(sup: OpsServer, adm: Admitted, channel: str, *, readonly: bool = False,
+                  status_cache: StatusCache | None = None) -> list[bytes] | None:
     """Run an admitted request -> its reply frames.  Never raises (but is cancellable).
 
     A request read after its client's own deadline is not executed (local
@@ -259,6 +282,8 @@ async def execute(sup: OpsServer, adm: Admitted, channel: str, *, readonly: bool
             return adm.envelope + [_encode_reply(m.OpsReply(
                 ok=False, id=req.id, error=f"not executed: read {late:.1f}s after the client's {req.timeout:g}s "
                                            "timeout had passed (the client was no longer waiting)"))]
+        if status_cache is not None and req.verb == "status" and isinstance(req.args, dict):
+            return adm.envelope + [_encode_reply(m.OpsReply(ok=True, id=req.id, result=status_cache.get(sup)))]
         reply = await handle_ops_request(sup, req, channel=channel, readonly=readonly, who=adm.who)
         if isinstance(req.verb, str) and req.verb in MUTATING:
             sup.wake.set()
@@ -317,6 +342,7 @@ async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, r
     out after their delay (at most ``DELAYED_MAX`` waiting, then at once).
     """
     flight = inflight if inflight is not None else InFlight()
+    cache = StatusCache() if readonly else None
     loop = asyncio.get_running_loop()
     delayed: set[asyncio.TimerHandle] = set()
 
@@ -328,7 +354,7 @@ async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, r
         delayed.add(handle)
 
     async def run(adm: Admitted) -> None:
-        _send(sock, await execute(sup, adm, channel, readonly=readonly))
+        _send(sock, await execute(sup, adm, channel, readonly=readonly, status_cache=cache))
 
     try:
         async for frames in _messages(sock, "ops"):
