@@ -80,7 +80,7 @@ from numaserve.supervisor.events import EventStream
 from numaserve.supervisor.reload import load_for_reload
 from numaserve.supervisor.rescue import Rescuer
 from numaserve.supervisor.stopseq import ACCEPT_SETTLE_MAX_S, StopSequence  # noqa: F401  (re-exported)
-from numaserve.supervisor.steer import Steering
+from numaserve.supervisor.steer import Steering, without_fd_limited
 from numaserve.supervisor.spawn import spawn
 from numaserve.supervisor.templates import TemplateManager
 
@@ -731,7 +731,10 @@ class Supervisor:
                        if s.state == S.STARTING and s.worker is not None and not s.drained]
             stats = {s.plan.slot: s.worker.stats for s in self.slots.values() if s.worker is not None} \
                 if self.steering.hot is not None else None
-            self.steering.update(self.healthy_slots(), fallback=booting, stats=stats)
+            # a worker at its fd limit resets what it is given: steered around like a hung one
+            limited = [s.plan.slot for s in self.slots.values() if s.worker is not None
+                       and s.worker.stats is not None and s.worker.stats.extra.get("fd_limited")]
+            self.steering.update(without_fd_limited(self.healthy_slots(), limited), fallback=booting, stats=stats)
 
     def _crowd_cpus(self) -> dict[int, int]:
         """node -> CPUs its workers run on, for the steering hot set (empty: ``server.concentrate`` off)."""
