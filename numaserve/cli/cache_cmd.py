@@ -11,11 +11,12 @@ from typing import Any
 
 import click
 
-from numaserve.cli.common import POSITIVE_SECONDS, echo_json, output_option, want_json
+from numaserve.cli.common import FiniteFloat, echo_json, output_option, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
+from numaserve.control.opsargs import ACK_TIMEOUT
 
 json_option = output_option
-ack_timeout_option = click.option("--ack-timeout", type=POSITIVE_SECONDS, default=5.0, show_default=True,
+ack_timeout_option = click.option("--ack-timeout", type=FiniteFloat(ACK_TIMEOUT.minimum, ACK_TIMEOUT.maximum), default=5.0, show_default=True,
                                   help="Seconds each worker has to acknowledge.")
 
 

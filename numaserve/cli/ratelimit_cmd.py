@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -10,8 +9,8 @@ import click
 
 from numaserve.cli.common import echo_json, output_option, want_json
 from numaserve.cli.ops_cmd import _call, ops_target_options
+from numaserve.control.opsargs import RATE
 
-MAX_RATE = 1e9          # as the supervisor's ratelimit_set accepts
 MAX_CONCURRENCY = 1 << 20
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:/s|rps|r/s)$", re.IGNORECASE)
 
@@ -21,11 +20,10 @@ def parse_limit(value: str) -> dict[str, Any]:
     v = value.strip()
     m = _RATE.match(v)
     if m:
-        rate = float(m.group(1))
-        if not math.isfinite(rate) or rate <= 0 or rate > MAX_RATE:
-            raise click.BadParameter(f"{value!r}: a rate must be a finite number > 0 and <= {MAX_RATE:g}/s",
-                                     param_hint="VALUE")
-        return {"rate": rate}
+        try:   # the supervisor's range, checked here too: exit 2 before anything is sent
+            return {"rate": RATE.check(f"rate {value!r}", float(m.group(1)))}
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="VALUE") from None
     if v.isdigit() and 1 <= int(v) <= MAX_CONCURRENCY:
         return {"concurrency": int(v)}
     raise click.BadParameter(f"{value!r}: expected a concurrency like 32 (at most {MAX_CONCURRENCY}) or a rate like 200/s", param_hint="VALUE")

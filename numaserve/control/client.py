@@ -10,6 +10,7 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,8 @@ def ops_call(target: OpsTarget | Path, verb: str, args: dict[str, Any] | None = 
     """Send one ops request; return its result or raise OpsError with the reason."""
     if isinstance(target, Path):
         target = OpsTarget(runtime_dir=target)
-    req = OpsRequest(verb=verb, args=args or {}, id=uuid.uuid4().hex[:12], who=_who())
+    req = OpsRequest(verb=verb, args=args or {}, id=uuid.uuid4().hex[:12], who=_who(), timeout=float(timeout),
+                     sent_at=time.time())
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)

@@ -162,6 +162,10 @@ class OpsRequest(msgspec.Struct, kw_only=True):
     args: dict[str, Any] = {}
     id: str = ""
     who: dict[str, Any] = {}   # self-reported by the client (uid, user, pid, host); audited
+    # how long the client waits for the reply, from ``sent_at`` (its wall clock); 0 = not said.  A local
+    # supervisor that reads the request after that does not execute it: nobody is waiting for the answer
+    timeout: float = 0.0
+    sent_at: float = 0.0
 
 
 class OpsReply(msgspec.Struct, kw_only=True):

@@ -85,6 +85,9 @@ class LeakSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     recycle_spacing_s: float = 60.0            # at least this long between leak recycles on a node
     recycle_worker_min_s: float = 900.0        # a worker is recycled for a leak at most this often
     recycle_per_hour: int = 0                  # per node; 0: max(1, workers on the node / 2)
+    # a confirmed leak that has grown this much since its worker started is recycled despite the hourly
+    # budget and recycle_worker_min_s (one at a time per node and recycle_spacing_s still hold)
+    recycle_anyway_bytes: int = 256 * MiB
     overload_shed_fraction: float = 0.05       # no trend recycle while the node sheds more than this
     uss_interval_s: float = 10.0               # USS/PSS sampling interval (smaps_rollup)
 

@@ -55,6 +55,7 @@ from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, open_admin_so
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import fdbudget, workerauth
 from numaserve.supervisor.audit import AuditLog
+from numaserve.supervisor.doorpeers import DoorPeers
 from numaserve.supervisor.frontdoor import FrontDoor, bind_tcp, bind_unix
 from numaserve.supervisor.ratelimit import PeerRateLimiter
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
@@ -82,7 +83,7 @@ from numaserve.supervisor.events import EventStream
 from numaserve.supervisor.reload import load_for_reload
 from numaserve.supervisor.rescue import Rescuer
 from numaserve.supervisor.stopseq import ACCEPT_SETTLE_MAX_S, StopSequence  # noqa: F401  (re-exported)
-from numaserve.supervisor.steer import Steering
+from numaserve.supervisor.steer import Steering, without_fd_limited
 from numaserve.supervisor.spawn import spawn
 from numaserve.supervisor.templates import TemplateManager
 
@@ -173,6 +174,7 @@ class Supervisor:
         self.fdwatch: fdbudget.FdWatch | None = None
         self.fd_caps: fdbudget.CapsPlan | None = None
         self.ops_limiter = PeerRateLimiter(cfg.ops.rate_limit, cfg.ops.rate_burst)
+        self.door_peers = DoorPeers()             # who is behind each ops-ro front-door connection (rate key)
         self.audit = AuditLog(
             __import__("pathlib").Path(cfg.ops.audit_log) if cfg.ops.audit_log else runtime.path / AUDIT_LOG
         )
@@ -289,7 +291,7 @@ class Supervisor:
         self.fdwatch = fdbudget.FdWatch(limit=limit)
         idle = self.cfg.ops.idle_timeout
         self.doors.append(FrontDoor("ops-ro", ro_sock, str(self.runtime.path / OPS_RO_BACKEND),
-                                    max_connections=plan.caps["ops-ro"], idle_timeout=idle))
+                                    max_connections=plan.caps["ops-ro"], idle_timeout=idle, peers=self.door_peers))
         # a subscriber to rare events is quiet for long: no idle timeout (the cap still evicts quiet ones)
         self.doors.append(FrontDoor("events", events_sock, str(self.runtime.path / EVENTS_BACKEND),
                                     max_connections=plan.caps["events"], idle_timeout=None,
@@ -743,7 +745,10 @@ class Supervisor:
                        if s.state == S.STARTING and s.worker is not None and not s.drained]
             stats = {s.plan.slot: s.worker.stats for s in self.slots.values() if s.worker is not None} \
                 if self.steering.hot is not None else None
-            self.steering.update(self.healthy_slots(), fallback=booting, stats=stats)
+            # a worker at its fd limit resets what it is given: steered around like a hung one
+            limited = [s.plan.slot for s in self.slots.values() if s.worker is not None
+                       and s.worker.stats is not None and s.worker.stats.extra.get("fd_limited")]
+            self.steering.update(without_fd_limited(self.healthy_slots(), limited), fallback=booting, stats=stats)
 
     def _crowd_cpus(self) -> dict[int, int]:
         """node -> CPUs its workers run on, for the steering hot set (empty: ``server.concentrate`` off)."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 import msgspec
@@ -36,11 +38,18 @@ import zmq.asyncio
 from numaserve.control import messages as m
 from numaserve.control.peercred import PeerCred, frame_property, peer_cred
 from numaserve.supervisor.curvekeys import AuthorizedKeys
+from numaserve.supervisor import opsflight
+from numaserve.supervisor.doorpeers import DoorPeers
 from numaserve.supervisor.opsapi import OpsTarget
+from numaserve.supervisor.opsflight import InFlight, stale_by
 from numaserve.supervisor.ratelimit import PeerRateLimiter
 
 __all__ = [
     "EVENTS_CLIENT_BYTES",
+    "Admitted",
+    "Answer",
+    "admit",
+    "execute",
     "HANDSHAKE_IVL_MS",
     "MAX_OPS_BYTES",
     "bind_socket",
@@ -59,6 +68,7 @@ class OpsServer(OpsTarget, Protocol):
 
     curve_keys: AuthorizedKeys | None
     ops_limiter: PeerRateLimiter
+    door_peers: DoorPeers
 
     def count_bad(self, channel: str, why: str) -> None: ...
 
@@ -76,6 +86,10 @@ MAX_SUBSCRIPTION_BYTES = 256   # a subscription frame: 1 flag byte + a topic pre
 EVENTS_SNDHWM = 100
 EVENTS_CLIENT_BYTES = 4096     # what one subscriber may send in all: greeting + a few subscriptions
 _CLAIMED_KEYS = 8
+RATE_LIMITED_DELAY_MIN = 0.25   # a rate-limited reply waits at least this long (and at most the next)
+RATE_LIMITED_DELAY_MAX = 2.0
+STATUS_TTL = 0.5                # the read-only socket's status is at most this old
+DELAYED_MAX = 1024              # rate-limited replies waiting on one socket; past that answered at once
 _CLAIMED_TEXT = 200
 
 
@@ -140,12 +154,23 @@ def verified_who(claimed: Any, peer: PeerCred | None, curve_key: str | None) -> 
     return who
 
 
-def _rate_key(channel: str, identity: bytes, peer: PeerCred | None, curve_key: str | None) -> tuple[Any, ...]:
+def _rate_key(channel: str, identity: bytes, peer: PeerCred | None, curve_key: str | None,
+              door_peer: PeerCred | None = None) -> tuple[Any, ...]:
+    """Whose budget a request spends.
+
+    CURVE: the key.  Through a front door (the read-only socket): the client's
+    uid as the kernel says -- processes and connections are free to multiply,
+    a uid is not.  The owner's socket (0700: the service's own user and root):
+    uid and pid, so an operator's fresh CLI is not locked out by a runaway
+    script of the same user, who could stop the service anyway.
+    """
     if curve_key:
         return (channel, "key", curve_key)
+    if door_peer is not None:
+        return (channel, "uid", door_peer.uid)
     if peer is not None and peer.pid != os.getpid():
         return (channel, "pid", peer.uid, peer.pid)
-    return (channel, "id", identity)   # behind a front door: one routing id per (capped) connection
+    return (channel, "id", identity)   # behind a front door we cannot see through: one id per connection
 
 
 def _encode_reply(reply: m.OpsReply) -> bytes:
@@ -156,11 +181,29 @@ def _encode_reply(reply: m.OpsReply) -> bytes:
         return msgspec.msgpack.encode(m.OpsReply(ok=False, id=reply.id, error=f"reply not encodable: {e}"))
 
 
-async def on_ops_frames(sup: OpsServer, frames: Sequence[Any], channel: str, *,
-                        readonly: bool = False) -> list[bytes] | None:
-    """One ops request → the reply frames (None: nothing to reply to).  Never raises."""
-    from numaserve.supervisor.ops import MUTATING, handle_ops_request
+@dataclass
+class Answer:
+    """A reply decided without running a verb: sent after ``delay`` s (a rate-limited peer waits its turn)."""
 
+    frames: list[bytes]
+    delay: float = 0.0
+
+
+@dataclass
+class Admitted:
+    """A request that passed the checks and the rate limit: run it (``execute``) in its own task."""
+
+    envelope: list[bytes]
+    req: m.OpsRequest
+    who: dict[str, Any]
+    key: tuple[Any, ...]
+
+
+def admit(sup: OpsServer, frames: Sequence[Any], channel: str) -> Admitted | Answer | None:
+    """Check one request (framing, CURVE key, rate limit, decoding) without running it.  Never raises.
+
+    None: nothing to reply to.  Cheap on purpose: a flood is answered here.
+    """
     try:
         if not frames:
             sup.count_bad("ops", "empty message")
@@ -172,35 +215,94 @@ async def on_ops_frames(sup: OpsServer, frames: Sequence[Any], channel: str, *,
         envelope = [identity, b""] if len(frames) == 3 and _frame_bytes(frames[1]) == b"" else [identity]
         if len(frames) not in (2, 3) or len(payload) > MAX_OPS_BYTES:
             sup.count_bad("ops", f"{len(frames)} frames / {len(payload)} bytes")
-            return envelope + [_encode_reply(m.OpsReply(ok=False, error="malformed request"))]
+            return Answer(envelope + [_encode_reply(m.OpsReply(ok=False, error="malformed request"))])
         curve_key = frame_property(last, "User-Id") if channel == "tcp-curve" else None
         peer = None if channel == "tcp-curve" else peer_cred(last)
         if channel == "tcp-curve" and not (curve_key and sup.curve_keys is not None
                                            and sup.curve_keys.callback("*", curve_key.encode())):
             # ZAP judged the connection when it was made; the key may have been removed since
             sup.count_bad("ops", "CURVE key not (or no longer) authorized")
-            return envelope + [_encode_reply(m.OpsReply(ok=False, error="this CURVE key is not authorized"))]
-        allowed, retry = sup.ops_limiter.allow(_rate_key(channel, identity, peer, curve_key))
+            return Answer(envelope + [_encode_reply(m.OpsReply(ok=False, error="this CURVE key is not authorized"))])
+        door_peer = sup.door_peers.of_frame(last) if peer is not None and peer.pid == os.getpid() else None
+        key = _rate_key(channel, identity, peer, curve_key, door_peer)
+        allowed, retry = sup.ops_limiter.allow(key)
         if not allowed:
-            return envelope + [_encode_reply(m.OpsReply(
+            # answered after the wait it names: a client looping on replies then costs a reply per wait
+            return Answer(envelope + [_encode_reply(m.OpsReply(
                 ok=False, error=f"rate limited: more than {sup.ops_limiter.rate:g} requests/s from this client "
-                                f"(burst {sup.ops_limiter.burst:g}); retry in {retry:.2f}s"))]
+                                f"(burst {sup.ops_limiter.burst:g}); retry in {retry:.2f}s"))],
+                delay=min(RATE_LIMITED_DELAY_MAX, max(RATE_LIMITED_DELAY_MIN, retry)))
         try:
             req = m.decode_ops_request(payload)
         except m.BadMessage as e:
             sup.count_bad("ops", str(e))
-            return envelope + [_encode_reply(m.OpsReply(ok=False, error=f"malformed request: {e}"))]
-        who = verified_who(req.who, peer, curve_key)
-        reply = await handle_ops_request(sup, req, channel=channel, readonly=readonly, who=who)
+            return Answer(envelope + [_encode_reply(m.OpsReply(ok=False, error=f"malformed request: {e}"))])
+        return Admitted(envelope, req, verified_who(req.who, door_peer or peer, curve_key), key)
+    except Exception as e:  # a bug here must not end the ops loop
+        log.exception("ops_frames_error", channel=channel)
+        sup.count_bad("ops", f"{type(e).__name__}: {e}")
+        return None
+
+
+class StatusCache:
+    """The read-only socket's ``status``, assembled at most every ``ttl`` s.
+
+    Assembling a status (every slot, front door, counter) is the cost of a
+    read-only flood; a reader of the group-readable socket gets a snapshot
+    at most ``ttl`` old.  The owner's socket always assembles it fresh.
+    """
+
+    def __init__(self, ttl: float = STATUS_TTL) -> None:
+        self.ttl = ttl
+        self._at = -1e18
+        self._value: Any = None
+
+    def get(self, sup: OpsServer) -> Any:
+        now = time.monotonic()
+        if now - self._at >= self.ttl:
+            self._value, self._at = sup.status(), now
+        return self._value
+
+
+async def execute(sup: OpsServer, adm: Admitted, channel: str, *, readonly: bool = False,
+                  status_cache: StatusCache | None = None) -> list[bytes] | None:
+    """Run an admitted request -> its reply frames.  Never raises (but is cancellable).
+
+    A request read after its client's own deadline is not executed (local
+    sockets, where both ends share the clock): its client has given up, and
+    a ``stop`` nobody waits for any more must not happen later.
+    """
+    from numaserve.supervisor.ops import MUTATING, handle_ops_request
+
+    req = adm.req
+    try:
+        late = stale_by(req.timeout, req.sent_at, opsflight.wall()) if channel != "tcp-curve" else None
+        if late is not None:
+            log.warning("ops_request_expired", verb=req.verb, id=req.id, late_s=round(late, 3), channel=channel)
+            return adm.envelope + [_encode_reply(m.OpsReply(
+                ok=False, id=req.id, error=f"not executed: read {late:.1f}s after the client's {req.timeout:g}s "
+                                           "timeout had passed (the client was no longer waiting)"))]
+        if status_cache is not None and req.verb == "status" and isinstance(req.args, dict):
+            return adm.envelope + [_encode_reply(m.OpsReply(ok=True, id=req.id, result=status_cache.get(sup)))]
+        reply = await handle_ops_request(sup, req, channel=channel, readonly=readonly, who=adm.who)
         if isinstance(req.verb, str) and req.verb in MUTATING:
             sup.wake.set()
-        return envelope + [_encode_reply(reply)]
+        return adm.envelope + [_encode_reply(reply)]
     except asyncio.CancelledError:
         raise
     except Exception as e:  # a bug here must not end the ops loop
         log.exception("ops_frames_error", channel=channel)
         sup.count_bad("ops", f"{type(e).__name__}: {e}")
         return None
+
+
+async def on_ops_frames(sup: OpsServer, frames: Sequence[Any], channel: str, *,
+                        readonly: bool = False) -> list[bytes] | None:
+    """One ops request → the reply frames (None: nothing to reply to), no delay.  Never raises."""
+    got = admit(sup, frames, channel)
+    if got is None or isinstance(got, Answer):
+        return None if got is None else got.frames
+    return await execute(sup, got, channel, readonly=readonly)
 
 
 async def _messages(sock: zmq.asyncio.Socket, what: str) -> AsyncIterator[list[Any]]:
@@ -220,16 +322,59 @@ async def _messages(sock: zmq.asyncio.Socket, what: str) -> AsyncIterator[list[A
             await asyncio.sleep(0.05)
 
 
-async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False) -> None:
-    """Serve one ops socket, one request at a time, yielding between requests."""
-    async for frames in _messages(sock, "ops"):
-        out = await on_ops_frames(sup, frames, channel, readonly=readonly)
-        if out:
-            try:
-                await sock.send_multipart(out, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        await asyncio.sleep(0)
+def _send(sock: zmq.asyncio.Socket, out: list[bytes] | None) -> None:
+    """Send without waiting (a reply the peer cannot take now is dropped, as ROUTER does)."""
+    if not out:
+        return
+    try:
+        fut = sock.send_multipart(out, flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        return
+    if isinstance(fut, asyncio.Future):   # the asyncio socket reports EAGAIN on the future: read it
+        fut.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+
+
+async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False,
+                    inflight: InFlight | None = None) -> None:
+    """Serve one ops socket: every admitted request in its own task (bounded by ``InFlight``).
+
+    Checks and refusals are answered from this loop; rate-limited replies go
+    out after their delay (at most ``DELAYED_MAX`` waiting, then at once).
+    """
+    flight = inflight if inflight is not None else InFlight()
+    cache = StatusCache() if readonly else None
+    loop = asyncio.get_running_loop()
+    delayed: set[asyncio.TimerHandle] = set()
+
+    def later(delay: float, out: list[bytes]) -> None:
+        def fire() -> None:
+            delayed.discard(handle)
+            _send(sock, out)
+        handle = loop.call_later(delay, fire)
+        delayed.add(handle)
+
+    async def run(adm: Admitted) -> None:
+        _send(sock, await execute(sup, adm, channel, readonly=readonly, status_cache=cache))
+
+    try:
+        async for frames in _messages(sock, "ops"):
+            got = admit(sup, frames, channel)
+            if isinstance(got, Answer):
+                if got.delay > 0 and len(delayed) < DELAYED_MAX:
+                    later(got.delay, got.frames)
+                else:
+                    _send(sock, got.frames)
+            elif isinstance(got, Admitted):
+                why = flight.refusal(got.key)
+                if why is not None:
+                    _send(sock, got.envelope + [_encode_reply(m.OpsReply(ok=False, id=got.req.id, error=why))])
+                else:
+                    flight.start(got.key, run(got), name=f"ops-{channel}")
+            await asyncio.sleep(0)
+    finally:
+        for h in delayed:
+            h.cancel()
+        await flight.cancel_all()
 
 
 # -------------------------------------------------------------------- control

@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from numaserve.errors import NumaserveError
+from numaserve.supervisor.doorpeers import DoorPeers, unix_cred
 
 __all__ = ["FrontDoor", "bind_tcp", "bind_unix", "listen_tcp", "parse_tcp_endpoint"]
 
@@ -165,6 +166,7 @@ class _Conn:
         self.sent = 0          # bytes from the client
         self.closed = False
         self.admitted = False
+        self.bound_name: str | None = None   # the backend side's abstract name, registered in door.peers
 
     def busy(self, now: float) -> bool:
         return now - self.last < _QUIET_FOR_EVICTION
@@ -230,8 +232,10 @@ class FrontDoor:
     """A capped, idle-timed listener spliced to a libzmq socket on ``backend_path``."""
 
     def __init__(self, name: str, sock: socket.socket, backend_path: str, *, max_connections: int,
-                 idle_timeout: float | None, max_client_bytes: int | None = None) -> None:
+                 idle_timeout: float | None, max_client_bytes: int | None = None,
+                 peers: DoorPeers | None = None) -> None:
         self.name = name
+        self.peers = peers   # unix clients: who is behind each spliced connection (for the ops rate limit)
         self.sock = sock
         self.backend_path = backend_path
         self.max_connections = max(1, int(max_connections))
@@ -326,9 +330,32 @@ class FrontDoor:
 
     def connect_backend(self, conn: _Conn) -> None:
         async def connect() -> None:
+            loop = asyncio.get_running_loop()
+            cred = unix_cred(conn.client.get_extra_info("socket")) if conn.client is not None else None
             try:
-                await asyncio.get_running_loop().create_unix_connection(lambda: _Side(conn, False),
-                                                                        self.backend_path)
+                if self.peers is None or cred is None:
+                    await loop.create_unix_connection(lambda: _Side(conn, False), self.backend_path)
+                    return
+                # bound to a name of ours: the supervisor finds the client behind a message by it
+                name = self.peers.new_name()
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.setblocking(False)
+                    sock.bind(name)
+                    await loop.sock_connect(sock, self.backend_path)
+                except BaseException:
+                    sock.close()
+                    raise
+                if conn.closed:
+                    sock.close()
+                    return
+                conn.bound_name = name
+                self.peers.register(name, cred)
+                try:
+                    await loop.create_unix_connection(lambda: _Side(conn, False), sock=sock)
+                except BaseException:
+                    sock.close()
+                    raise
             except OSError as e:
                 self.backend_failed += 1
                 log.warning("ops_backend_unreachable", door=self.name, backend=self.backend_path, error=e.strerror)
@@ -338,6 +365,9 @@ class FrontDoor:
 
     def forget(self, conn: _Conn) -> None:
         self.conns.pop(id(conn), None)
+        if conn.bound_name is not None and self.peers is not None:
+            self.peers.forget(conn.bound_name)
+            conn.bound_name = None
 
     async def _sweep(self) -> None:
         while self.idle_timeout is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -93,6 +94,46 @@ class Watched:
     verdict: Verdict | None = None
     trimming: bool = False
     recycling: bool = False
+    start_rss: int = 0                 # RSS when this worker was first seen (growth is measured from it)
+    deferred: Verdict | None = None    # a recycle verdict waiting for its turn: retried every tick
+    deferred_why: str | None = None
+
+
+def _shape(why: str | None) -> str | None:
+    """A deferral reason without its numbers (the seconds in it change every tick)."""
+    return None if why is None else re.sub(r"[0-9.]+", "#", why)
+
+
+def recycle_deferral(s: Any, *, now: float, node: int, times: deque[float], last_worker: float, cap: bool,
+                     shedding: bool, running_op: str | None, grown_bytes: int, slots_on_node: int) -> str | None:
+    """Why a leak (or soft-cap) recycle must wait now, or None to recycle.  Pure: the clock is ``now``.
+
+    One recycle at a time (a running operation), and spacing on the node,
+    hold for every leak.  The hourly budget and the per-worker minimum only
+    hold while the worker has grown less than ``recycle_anyway_bytes``: they
+    keep false positives from churning workers, but with two leaking workers
+    on a node and a budget of one an hour, the second grew to 1.1 GB on its
+    way to the soft cap.  Caps skip everything but the running operation.
+    """
+    while times and now - times[0] > 3600:
+        times.popleft()
+    per_hour = s.recycle_per_hour or max(1, slots_on_node // 2)
+    if running_op is not None:
+        return f"operation {running_op} running"
+    if cap:
+        return None
+    if shedding:
+        return f"node {node} is shedding load: a recycle would deepen the overload"
+    if times and now - times[-1] < s.recycle_spacing_s:
+        return f"last recycle on node {node} {now - times[-1]:.0f}s ago (< {s.recycle_spacing_s:g}s)"
+    if grown_bytes >= s.recycle_anyway_bytes > 0:
+        return None
+    if now - last_worker < s.recycle_worker_min_s:
+        return f"recycled less than {s.recycle_worker_min_s:g}s ago"
+    if len(times) >= per_hour:
+        return (f"restart budget exhausted ({per_hour}/hour on node {node}): caps, or growth past "
+                f"{s.recycle_anyway_bytes} bytes, only")
+    return None
 
 
 class LeakWatch:
@@ -138,6 +179,10 @@ class LeakWatch:
                 continue
             requests = w.stats.requests if w.stats else 0
             wd.detector.observe(now, requests, rss, wd.uss)
+            if wd.deferred is not None and not (wd.trimming or wd.recycling):
+                # its turn may have come (the operation before it ended): not at the next verdict, which
+                # can be 30 s away -- with tight caps a deferred worker reached the hard cap meanwhile
+                self._maybe_recycle(slot, w, wd, wd.deferred, now)
             if wd.trimming or wd.recycling or not wd.detector.due(now):
                 continue
             self._judge(slot, w, wd, wd.detector.evaluate(now), now)
@@ -161,7 +206,7 @@ class LeakWatch:
     def _start(self, slot: "SlotState", w: "WorkerProc", now: float) -> Watched:
         det = LeakDetector(self.settings, now, budget_bytes=self._budget(),
                            requests_at_spawn=0)
-        wd = Watched(detector=det, generation=w.generation, pid=w.pid)
+        wd = Watched(detector=det, generation=w.generation, pid=w.pid, start_rss=w.rss_bytes or 0)
         self.watched[slot.plan.slot] = wd
         return wd
 
@@ -197,6 +242,8 @@ class LeakWatch:
             return
         if v.kind in ("leak", "soft_cap"):
             self._maybe_recycle(slot, w, wd, v, now)
+        elif v.kind in ("ok", "warming"):
+            wd.deferred = wd.deferred_why = None   # the leak no longer shows: nothing waits any more
 
     async def _trim(self, slot: "SlotState", w: "WorkerProc", wd: Watched) -> None:
         try:
@@ -227,27 +274,23 @@ class LeakWatch:
         return bool(total) and shed / total > self.settings.overload_shed_fraction
 
     def _maybe_recycle(self, slot: "SlotState", w: "WorkerProc", wd: Watched, v: Verdict, now: float) -> None:
-        s = self.settings
         node = slot.plan.node
         times = self.recycles.setdefault(node, deque())
-        while times and now - times[0] > 3600:
-            times.popleft()
-        per_hour = s.recycle_per_hour or max(1, sum(1 for x in self.ctl.slots.values() if x.plan.node == node) // 2)
         cap = v.kind == "soft_cap"
-        why = None
-        if self.operations.current is not None and self.operations.current.state == "running":
-            why = f"operation {self.operations.current.id} running"
-        elif not cap and self._node_shedding(node):
-            why = f"node {node} is shedding load: a recycle would deepen the overload"
-        elif not cap and times and now - times[-1] < s.recycle_spacing_s:
-            why = f"last recycle on node {node} {now - times[-1]:.0f}s ago (< {s.recycle_spacing_s:g}s)"
-        elif not cap and now - self.last_worker_recycle.get(slot.plan.slot, -1e9) < s.recycle_worker_min_s:
-            why = f"slot {slot.plan.slot} was recycled less than {s.recycle_worker_min_s:g}s ago"
-        elif not cap and len(times) >= per_hour:
-            why = f"restart budget exhausted ({per_hour}/hour on node {node}): caps only"
+        cur = self.operations.current
+        why = recycle_deferral(
+            self.settings, now=now, node=node, times=times,
+            last_worker=self.last_worker_recycle.get(slot.plan.slot, -1e18), cap=cap,
+            shedding=not cap and self._node_shedding(node),
+            running_op=cur.id if cur is not None and cur.state == "running" else None,
+            grown_bytes=max(0, max(w.rss_bytes or 0, wd.uss or 0) - wd.start_rss),
+            slots_on_node=sum(1 for x in self.ctl.slots.values() if x.plan.node == node))
         if why:
-            log.warning("leak_recycle_deferred", slot=slot.plan.slot, pid=w.pid, verdict=v.kind, why=why)
+            if _shape(why) != _shape(wd.deferred_why):   # once per reason, not every tick
+                log.warning("leak_recycle_deferred", slot=slot.plan.slot, pid=w.pid, verdict=v.kind, why=why)
+            wd.deferred, wd.deferred_why = v, why
             return
+        wd.deferred = wd.deferred_why = None
         times.append(now)
         self.last_worker_recycle[slot.plan.slot] = now
         wd.recycling = True

@@ -28,6 +28,8 @@ from numaserve.supervisor.opsapi import (  # noqa: F401  (re-exported: the verbs
     arg_float,
     arg_int,
     arg_number,
+    arg_rate,
+    arg_ack_timeout,
     arg_timeout,
     verb,
 )
@@ -193,7 +195,7 @@ async def _ratelimit_show(sup: OpsTarget, args: dict[str, Any]) -> Any:
 @verb("ratelimit_set", mutating=True)
 async def _ratelimit_set(sup: OpsTarget, args: dict[str, Any]) -> Any:
     conc = arg_int(args, "concurrency", minimum=1, maximum=1 << 20)
-    rate = arg_number(args, "rate", minimum=0.0, maximum=MAX_RATE, exclusive_min=True, unit=" requests/s")
+    rate = arg_rate(args, "rate")
     if conc is None and rate is None:
         raise OpsArgError("give a concurrency (e.g. 32) or a rate (e.g. 200/s)")
     if sup.limits.mode == "off":

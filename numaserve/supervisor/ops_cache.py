@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from numaserve.supervisor.opsapi import OpsArgError, OpsTarget, arg_float, verb
+from numaserve.supervisor.opsapi import OpsArgError, OpsTarget, arg_ack_timeout, verb
 
 __all__ = ["CACHE_VERSION", "current_version"]
 
@@ -36,14 +36,14 @@ async def _cache_purge(sup: OpsTarget, args: dict[str, Any]) -> Any:
     prefix = args.get("prefix", "") or ""
     if not isinstance(prefix, str) or (prefix and not prefix.startswith("/")) or len(prefix) > 4096:
         raise OpsArgError(f"prefix {prefix!r}: expected a path prefix starting with /")
-    timeout = arg_float(args, "timeout", _ACK_TIMEOUT)
+    timeout = arg_ack_timeout(args, "timeout", _ACK_TIMEOUT)
     acks = await sup.broadcast("cache_purge", {"prefix": prefix}, timeout=timeout)
     return {"prefix": prefix, **_summary(acks), "result": f"purge {prefix or '(all)'}: {len(acks)} workers"}
 
 
 @verb("cache_bump", mutating=True)
 async def _cache_bump(sup: OpsTarget, args: dict[str, Any]) -> Any:
-    timeout = arg_float(args, "timeout", _ACK_TIMEOUT)
+    timeout = arg_ack_timeout(args, "timeout", _ACK_TIMEOUT)
     version = current_version(sup) + 1
     acks = await sup.broadcast(CACHE_VERSION, {"version": version}, timeout=timeout, sticky=True)
     return {"version": version, **_summary(acks), "result": f"cache version {version}: {len(acks)} workers"}

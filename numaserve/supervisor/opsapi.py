@@ -10,6 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any, Awaitable, Callable, Protocol
 
+from numaserve.control.opsargs import (  # the one table of ranges, shared with the CLI
+    ACK_TIMEOUT,
+    MAX_ACK_TIMEOUT_S,
+    MAX_RATE,
+    MAX_TIMEOUT_S,
+    RATE,
+    TIMEOUT,
+    NumberRange,
+)
 from numaserve.errors import NumaserveError
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.limits import LimitsManager
@@ -50,11 +59,6 @@ def verb(name: str, *, mutating: bool) -> Callable[[Handler], Handler]:
     return deco
 
 
-#: Longest timeout an ops request may ask for (a week): past that it is a typo, not a plan.
-MAX_TIMEOUT_S = 7 * 86400.0
-MAX_RATE = 1e9
-
-
 def arg_int(args: dict[str, Any], name: str, *, required: bool = False, minimum: int = 0,
             maximum: int = 1 << 31) -> int | None:
     v = args.get(name)
@@ -65,6 +69,17 @@ def arg_int(args: dict[str, Any], name: str, *, required: bool = False, minimum:
     if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
         raise OpsArgError(f"argument {name!r} = {v!r}: expected an integer in {minimum}..{maximum}")
     return v
+
+
+def arg_range(args: dict[str, Any], name: str, rng: NumberRange) -> float | None:
+    """``args[name]`` checked against ``rng`` (None when absent): the one checker of ops numbers."""
+    v = args.get(name)
+    if v is None:
+        return None
+    try:
+        return rng.check(f"argument {name!r}", v)
+    except ValueError as e:
+        raise OpsArgError(str(e)) from None
 
 
 def arg_number(args: dict[str, Any], name: str, *, minimum: float, maximum: float,
@@ -82,8 +97,19 @@ def arg_number(args: dict[str, Any], name: str, *, minimum: float, maximum: floa
 
 
 def arg_timeout(args: dict[str, Any], name: str, default: float | None) -> float | None:
-    v = arg_number(args, name, minimum=0.0, maximum=MAX_TIMEOUT_S, unit=" seconds")
+    v = arg_range(args, name, TIMEOUT)
     return default if v is None else v
+
+
+def arg_ack_timeout(args: dict[str, Any], name: str, default: float) -> float:
+    """How long to wait for the workers' acknowledgement: at most MAX_ACK_TIMEOUT_S."""
+    v = arg_range(args, name, ACK_TIMEOUT)
+    return default if v is None else v
+
+
+def arg_rate(args: dict[str, Any], name: str) -> float | None:
+    """A request rate (per second) a limiter can act on: MIN_RATE .. MAX_RATE."""
+    return arg_range(args, name, RATE)
 
 
 def arg_bool(args: dict[str, Any], name: str, default: bool = False) -> bool:

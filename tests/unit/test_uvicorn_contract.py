@@ -12,6 +12,7 @@ a message naming what moved.
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import textwrap
 from typing import Any
@@ -106,7 +107,11 @@ def test_every_uvicorn_attribute_the_protocol_reads_is_set_by_uvicorn() -> None:
     proto_cls, _ = _pairs()[0]
     config = Config(app=lambda scope, receive, send: None, http="httptools", log_config=None)
     config.load()
-    uv = HttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
+    loop = asyncio.new_event_loop()   # (uvicorn asks for the current loop when given none)
+    try:
+        uv = HttpToolsProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    finally:
+        loop.close()
     mine = _attributes_set(proto_cls) | set(dir(proto_cls))
     theirs = set(vars(uv)) | set(dir(HttpToolsProtocol))
     gone = sorted(a for a in _attributes_read(proto_cls) - mine if a not in theirs)
