@@ -315,6 +315,7 @@ class Edge:
                     await ex.answer(d.status, f"request not admitted: {d.reason}", retry_after=d.retry_after)
                     return
                 permit = d
+                d.task = asyncio.current_task()   # its owner (numaserve.worker.permits)
                 cpu.admitted()
                 conn = None
             else:

@@ -108,6 +108,7 @@ class LeanCycle(RequestResponseCycle):
         self.edge = proto._fold
         self.folded = False
         self.permit = None
+        self.grant = None    # the admission permit this request owns from head-complete (protocol's)
         self.status = 0
         self.scope = scope
         self.transport = proto.transport
@@ -408,6 +409,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._ns_reject: Any = None
             self._ns_drop = False
             self._ns_deadline = False   # this request's head has an x-request-timeout
+            self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
+            self._owned: dict[Any, Any] = {}   # request task -> its permit (released when done)
+            self.lost = False           # connection_lost ran (``numaserve.worker.permits``)
 
         # --- connection ----------------------------------------------------------------------
 
@@ -416,7 +420,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self.lost = True
             self._cancel_header_timer()
+            if rt is not None:
+                self._release_unstarted()
             if self._ka_timer is not None:
                 self._ka_timer.cancel()
                 self._ka_timer = None
@@ -441,6 +448,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
+                if self._grant is not None:   # admitted, then the head failed: no request to own it
+                    grant, self._grant = self._grant, None
+                    gate.release(clock(), grant, "bad_request")
                 if self._ns_reject is not None or self._ns_drop:
                     self._refused()
                 elif self._too_large:  # our callback stopped the parser: say why
@@ -544,12 +554,14 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self.logger.warning("Exceeded concurrency limit.")
                 permit = scope.pop(PERMIT_KEY, None)
                 if permit is not None:   # admitted, but answered without the app: give it back
+                    self._grant = None
                     gate.release(clock(), permit, "ignored")
             else:
                 app = self.app
             existing = self.cycle
             self.cycle = LeanCycle(self, scope, http_version != "1.0" and parser.should_keep_alive(),
                                    self.expect_100_continue)
+            self.cycle.grant, self._grant = self._grant, None   # the request owns its permit now
             if existing is None or existing.response_complete:
                 self._start_asgi_task(self.cycle, app)
             else:  # pipelined: queued behind the running one
@@ -566,8 +578,37 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
             else:
                 task = self.loop.create_task(cycle.run_asgi(app))
-            task.add_done_callback(self._task_done)
+            grant = cycle.grant
+            if grant is None:
+                task.add_done_callback(self._task_done)
+            else:   # the task owns the permit now: released when it is done, however it ends
+                grant.task = task
+                self._owned[task] = grant
+                task.add_done_callback(self._owned_task_done)
             self.tasks.add(task)
+
+        def _owned_task_done(self, task: asyncio.Task[None]) -> None:
+            """A request task ended: its permit is given back if the request did not (a task
+            cancelled before it ran never reaches its ``finally``)."""
+            self.tasks.discard(task)
+            grant = self._owned.pop(task, None)
+            if grant is not None and not grant.released:
+                gate.release(clock(), grant, "dropped")
+
+        def _release_unstarted(self) -> None:
+            """The connection is gone: the permits of requests that never started (queued behind
+            the running one, or a head admitted without a request yet) are given back."""
+            now = clock()
+            grant, self._grant = self._grant, None
+            if grant is not None:
+                gate.release(now, grant, "dropped")
+            while self.pipeline:
+                cycle, _app = self.pipeline.pop()
+                grant = cycle.grant
+                if grant is not None:
+                    cycle.grant = None
+                    if not grant.released:
+                        gate.client_gone(now, grant)
 
         def on_body(self, body: bytes) -> None:
             if self.parser.should_upgrade() and self._should_upgrade():
@@ -639,6 +680,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 raise _Stop
             d.enqueued_at = arrived
             d.conn = self
+            self._grant = d
             self.scope[PERMIT_KEY] = d  # type: ignore[literal-required]
             rt.admitted()
 

@@ -55,6 +55,7 @@ from numaserve.loops.cpu_gate import CpuGate
 from numaserve.net import heldsock
 from numaserve.net.gatepage import GatePage
 from numaserve.net.listeners import accept_queue_depth
+from numaserve.worker.permits import PermitWatch
 from numaserve.worker.stats import BUCKET_UPPER_MS, LatencyHistogram
 
 __all__ = [
@@ -251,6 +252,7 @@ class AdmissionRuntime:
         self.edge_rejected: dict[int, int] = {}
         self.busy = threading.Event()          # set while requests are in flight (wakes the sentinel)
         self.runnable = RunnableCount(clock)   # what the gate asks for when short of CPU
+        self.permits = PermitWatch()           # the in-flight invariant, checked with every snapshot
 
     # --- used by the protocol and the middleware ------------------------------------------
 
@@ -307,6 +309,7 @@ class AdmissionRuntime:
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
+        self.permits.check(self.gate, now)
         snap = self.gate.snapshot(now, reset_max=True)
         out = {f: getattr(snap, f) for f in snap.__struct_fields__}
         sent = self.sentinel
@@ -316,6 +319,7 @@ class AdmissionRuntime:
             out["status_503"] += sent.shed
         out["sentinel"] = None if sent is None else {"shed": sent.shed, "handed_back": sent.handed_back,
                                                      "stalls": sent.stalls, "client_gone": sent.gone}
+        out["permits_orphaned"] = self.permits.released
         out["rejected_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
         # answered before any ASGI middleware saw them (the worker adds them to its status classes)
         out["unserved_by_status"] = {str(k): v for k, v in self.edge_rejected.items()}
