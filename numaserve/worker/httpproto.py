@@ -65,6 +65,10 @@ _VALID: set[tuple[bytes, bytes]] = set()
 _VALID_MAX = 4096
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK_END = b"0\r\n\r\n"
+#: After an error answer and FIN, what the client still sends is read and dropped this long /
+#: this many bytes before the close (``_answer_and_linger``).
+LINGER_S = 2.0
+LINGER_BYTES = 1024 * 1024
 
 
 class _HeaderTooLarge(Exception):
@@ -401,7 +405,8 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._task_done = self.tasks.discard
             self._in_headers = True
             self._exact_head = False    # this read may hold a head over the limit: count it exactly
-            self._raw_header_bytes = 0  # received while headers incomplete
+            self._raw_header_bytes = 0  # of the current request's head, received while it is incomplete
+            self._began = False         # a request began in the read being parsed
             self._too_large = False
             self._header_timer: asyncio.TimerHandle | None = None
             self._idle_since: float | None = None
@@ -412,6 +417,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
             self._owned: dict[Any, Any] = {}   # request task -> its permit (released when done)
             self.lost = False           # connection_lost ran (``numaserve.worker.permits``)
+            self._current: Any = None   # the cycle whose task was started last
+            self._final: bytes | None = None   # an error answer waiting for the pipeline ahead of it
+            self._linger_timer: asyncio.TimerHandle | None = None
+            self._linger_left = 0       # bytes still read and dropped before a lingering close
 
         # --- connection ----------------------------------------------------------------------
 
@@ -422,6 +431,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
         def connection_lost(self, exc: Exception | None) -> None:
             self.lost = True
             self._cancel_header_timer()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             if rt is not None:
                 self._release_unstarted()
             if self._ka_timer is not None:
@@ -440,11 +452,16 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self.parser = None  # type: ignore[assignment]
 
         def data_received(self, data: bytes) -> None:
-            if self._ns_drop:
-                return  # answered and closing: the rest of the request is not ours to parse
+            if self._ns_drop:   # answered and closing: the rest is not ours to parse
+                if self._linger_timer is not None:
+                    self._linger_left -= len(data)
+                    if self._linger_left <= 0:
+                        self.transport.close()
+                return
             self._idle_since = None
             if self._max_header_bytes:
                 self._exact_head = self._raw_header_bytes + len(data) > self._max_header_bytes
+            self._began = False
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
@@ -468,7 +485,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 return
             if not self._in_headers or self.transport.is_closing():
                 return
-            self._raw_header_bytes += len(data)
+            if self._began:   # this head began inside this read: what of the read is its own
+                self._raw_header_bytes = self._head_bytes()   # (earlier requests' bytes are not)
+            else:
+                self._raw_header_bytes += len(data)
             if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
                 self._reject(431, self._too_large_message())
                 return
@@ -497,6 +517,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             }
             self._in_headers = True
             self._raw_header_bytes = 0
+            self._began = True
             self._ns_deadline = False
 
         # on_url is uvicorn's own: the head is only counted exactly (below) when a read could
@@ -514,11 +535,16 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self._ns_deadline = True
             self.headers.append((name, value))
 
-        def _check_head_size(self) -> None:
+        def _head_bytes(self) -> int:
+            """The current head's bytes parsed so far (request target and complete header
+            lines; a header line still incomplete is counted with the next read, whole)."""
             n = len(self.url)
             for name, value in self.headers:
                 n += len(name) + len(value) + 4
-            if n > self._max_header_bytes:
+            return n
+
+        def _check_head_size(self) -> None:
+            if self._head_bytes() > self._max_header_bytes:
                 self._too_large = True
                 raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError
 
@@ -527,7 +553,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self._check_head_size()
             parser = self.parser
             upgrade = parser.should_upgrade()
-            if rt is not None and not upgrade:   # websockets are not gated here
+            if rt is not None and not upgrade and not self._busy():
+                # websockets are not gated here, nor a request pipelined behind a running one:
+                # it is decided by the edge when it starts (a permit counts a runnable request;
+                # a refusal then is answered in order, and the connection stays usable)
                 self._admit()
             self._in_headers = False
             if self._header_timer is not None:
@@ -574,6 +603,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             ``server_state.tasks`` until done."""
             if app is service_unavailable:
                 app = connection_limit_503
+            self._current = cycle
             if self._reset_context:
                 task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
             else:
@@ -641,6 +671,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
                 return
+            if self._final is not None:   # the requests ahead of an error are answered: now it
+                final, self._final = self._final, None
+                self._answer_and_linger(final)
+                return
             self._idle_since = self.loop.time()
             if self._ka_timer is None:
                 self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
@@ -690,8 +724,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._cancel_header_timer()
             if rej is not None:
                 rt.edge_rejected[rej.status] = rt.edge_rejected.get(rej.status, 0) + 1
-                self.transport.write(reject_response(rej))
-            self.transport.close()
+                self._answer_and_linger(reject_response(rej))
+            else:
+                self.transport.close()
 
         # --- limits ---------------------------------------------------------------------------
 
@@ -725,19 +760,59 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self.transport.close()  # connected, never sent a byte
 
         def _reject(self, status: int, msg: str, log: bool = True) -> None:
+            """Answer a request the parser refused (400, 408, 431) and close, in order: a request
+            whose body broke is not run (or, running, sees a disconnect), the requests pipelined
+            ahead of it are answered first, and the close lingers so the client can read it."""
             self._cancel_header_timer()
-            if self._busy():
-                self.transport.close()  # cannot interleave a status into a running response
-                return
+            self._ns_drop = True     # nothing after the error is parsed
+            if log:
+                self.logger.warning("%s: %d", msg, status)
             body = error_body(status, msg)
             content = [STATUS_LINE[status]]
             for name, value in [*self.server_state.default_headers, *error_headers(status, body),
                                 (b"connection", b"close")]:
                 content.extend([name, b": ", value, b"\r\n"])
             content.extend([b"\r\n", body])
-            if log:
-                self.logger.warning("%s: %d", msg, status)
-            self.transport.write(b"".join(content))
-            self.transport.close()
+            answer = b"".join(content)
+            cycle = self.cycle
+            if cycle is not None and not self._in_headers and not cycle.response_complete:
+                # the error is in this request's body
+                if cycle is not self._current:    # queued behind others: it never runs
+                    self.pipeline = type(self.pipeline)(e for e in self.pipeline if e[0] is not cycle)
+                    grant, cycle.grant = cycle.grant, None
+                    if grant is not None and not grant.released:
+                        gate.release(clock(), grant, "bad_request")
+                elif cycle.response_started:      # cannot interleave a status into a response
+                    self.transport.close()
+                    return
+                else:                             # running, nothing sent: it sees a disconnect
+                    cycle.disconnected = True
+                    cycle.notify()
+                    self._answer_and_linger(answer)
+                    return
+            current = self._current
+            if self.pipeline or (current is not None and not current.response_complete
+                                 and not current.disconnected):
+                self._final = answer              # after the requests ahead of it
+                return
+            self._answer_and_linger(answer)
+
+        def _answer_and_linger(self, answer: bytes) -> None:
+            """Write ``answer``, end our side (FIN), read and drop what the client still sends
+            for up to ``LINGER_S`` / ``LINGER_BYTES``, then close: closing with unread bytes
+            would send a reset, which can destroy the answer before the client reads it."""
+            self._ns_drop = True
+            transport = self.transport
+            if transport.is_closing():
+                return
+            transport.write(answer)
+            if not transport.can_write_eof():   # TLS: no half-close, close after the write
+                transport.close()
+                return
+            transport.write_eof()
+            if self.flow.read_paused:
+                self.flow.resume_reading()
+            self._linger_left = LINGER_BYTES
+            self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     return GuardedHttpToolsProtocol

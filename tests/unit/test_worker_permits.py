@@ -117,10 +117,10 @@ def test_cancelled_request_tasks_give_their_permits_back() -> None:
                 conns.append((r, w))
             gate = stack.runtime.gate
             for _ in range(1000):
-                if gate.inflight >= 6:
+                if gate.inflight >= 3:
                     break
                 await asyncio.sleep(0.01)
-            assert gate.inflight == 6
+            assert gate.inflight == 3   # the running ones: a pipelined request is admitted when it starts
             for t in [t for t in asyncio.all_tasks() if "run_asgi" in repr(t.get_coro())]:
                 t.cancel()
             for _r, w in conns:
