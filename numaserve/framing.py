@@ -53,6 +53,7 @@ __all__ = [
     "encode_frame",
     "encode_request",
     "encode_response",
+    "could_start_frame",
     "looks_like_http",
 ]
 
@@ -75,6 +76,13 @@ class FrameError(Exception):
 def looks_like_http(first: int) -> bool:
     """True when a connection's first byte starts an HTTP request line (A-Z)."""
     return 0x41 <= first <= 0x5A
+
+
+def could_start_frame(first: int, max_frame: int) -> bool:
+    """True when ``first`` can be the first byte of a frame no longer than ``max_frame``: the
+    top byte of its length prefix.  Anything else (a lowercase method, a TLS ClientHello's
+    0x16, any text) is not a frame and is left to HTTP, which answers it with a 400."""
+    return (first << 24) <= max_frame
 
 
 class FrameDecoder:

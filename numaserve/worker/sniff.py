@@ -11,6 +11,9 @@ empty lines (CR/LF, RFC 9112 §2.2: HTTP, since no frame can start so):
   on asyncio and uvloop, plain TCP and TLS transports alike: both switch
   between buffered and plain protocols in place, and later reads go to the
   new protocol directly, so HTTP pays one copy of its first read only.
+  So is any first byte that cannot start a frame within ``max_frame_bytes``
+  (``numaserve.framing.could_start_frame``: a lowercase method, a TLS
+  ClientHello on the plain port): HTTP answers it with a 400, as uvicorn does.
 * frames: the connection stays here.  Every complete frame becomes an ASGI
   ``http`` request to ``config.loaded_app`` — the very stack uvicorn runs
   (metrics, admission, body limits, cache, app) — and is answered with one
@@ -41,6 +44,7 @@ from numaserve.framing import (
     FrameError,
     FrameRequest,
     FramingConfig,
+    could_start_frame,
     decode_request,
     encode_response,
     looks_like_http,
@@ -166,7 +170,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 if first[0] in _CRLF or self._blank:
                     self._skip_blank_lines(bytes(first))
                     return
-                if looks_like_http(first[0]):
+                if looks_like_http(first[0]) or not could_start_frame(first[0], settings.max_frame_bytes):
                     self._switch_to_http(bytes(first))
                     return
                 self._mode = "frames"

@@ -18,7 +18,7 @@ from test_worker_permits import serving, settled
 
 
 async def talk(addr: tuple[str, int], raw: bytes, *, until: int = 0, timeout: float = 20.0,
-               more: bytes = b"") -> tuple[bytes, str]:
+               more: bytes = b"", done: Any = None) -> tuple[bytes, str]:
     """Send ``raw`` (then ``more``), read until EOF, ``until`` answers or ``timeout``: (bytes read,
     how the connection ended: "eof", "reset" or "open")."""
     s = socket.create_connection(addr)
@@ -40,7 +40,7 @@ async def talk(addr: tuple[str, int], raw: bytes, *, until: int = 0, timeout: fl
             if not d:
                 return out, "eof"
             out += d
-            if until and out.count(b"HTTP/1.1 ") >= until:
+            if (until and out.count(b"HTTP/1.1 ") >= until) or (done is not None and done(out)):
                 return out, "open"
         return out, "open"
     finally:
@@ -128,6 +128,31 @@ def test_a_431_is_readable_by_a_client_still_sending() -> None:
             out, state = await talk(addr, head, more=b"c" * 200_000)
             assert out.startswith(b"HTTP/1.1 431 "), out[:200]
             assert state == "eof"
+            await settled(stack)
+
+    run(main())
+
+
+# --- item 7: sniffing takes for a frame only what can be one ------------------------------------
+
+TLS_CLIENT_HELLO = bytes.fromhex("16030100a5010000a10303") + bytes(32) + bytes.fromhex("000004c02bc02f0100")
+
+
+def test_a_lowercase_method_or_a_tls_hello_on_the_plain_port_is_not_taken_for_a_frame() -> None:
+    from numaserve.framing import FramingConfig
+
+    async def main() -> None:
+        async with serving(framing=FramingConfig(enabled=True)) as (stack, addr):
+            out, state = await talk(addr, b"get / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 400 ") and state == "eof", out[:200]
+            out, state = await talk(addr, TLS_CLIENT_HELLO)
+            assert (out == b"" or out.startswith(b"HTTP/1.1 400 ")) and state == "eof", out[:200]
+            # a frame is still a frame
+            from numaserve.framing import FrameDecoder, encode_frame, encode_request
+            out, _ = await talk(addr, encode_frame(encode_request(1, "GET", "/f")),
+                                done=lambda b: len(b) >= 4 and len(b) >= 4 + int.from_bytes(b[:4], "big"))
+            (reply,) = FrameDecoder().feed(out)
+            assert b"/f" in reply
             await settled(stack)
 
     run(main())

@@ -50,9 +50,9 @@ async def serving(**kw: Any) -> AsyncIterator[tuple[Stack, tuple[str, int]]]:
     lst.bind(("127.0.0.1", 0))
     lst.listen(128)
     kw.setdefault("admission", AdmissionSettings(sentinel=False))
+    kw.setdefault("framing", FramingConfig(enabled=False))
     spec = flat_spec(slot=0, node=0, generation=1, cpus=[0], node_cpus=[0], mempolicy="local",
-                     memory_nodes=[0], fd=-1, control="ipc:///nonexistent",
-                     framing=FramingConfig(enabled=False), **kw)
+                     memory_nodes=[0], fd=-1, control="ipc:///nonexistent", **kw)
     stack = build_stack(spec, app, WorkerStats())
     server = WorkerServer(stack.config)
     task = await start_serving(server, lst)
