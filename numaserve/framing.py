@@ -115,7 +115,8 @@ class FrameDecoder:
         return self._end - self._start
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Free space to read into (compacts, and grows only for a declared frame)."""
+        """Free space to read into (compacts, and grows only for a declared frame, as its bytes
+        arrive: at most twice what was received, plus the initial size)."""
         del sizehint
         if self._start:
             n = self._end - self._start
@@ -123,8 +124,11 @@ class FrameDecoder:
                 self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
         need = self._needed()
-        if need > len(self._buf):
-            grown = bytearray(need)
+        size = len(self._buf)
+        if need > size and size - self._end < self._initial // 2:
+            # grow with the bytes received, not to the declared length: a 4-byte prefix alone
+            # must not make a connection hold max_frame bytes (doubling: amortised O(1) copies)
+            grown = bytearray(min(need, max(2 * size, self._end + self._initial)))
             grown[:self._end] = self._buf[:self._end]
             self._buf = grown
         elif self._end == 0 and len(self._buf) > self._initial:

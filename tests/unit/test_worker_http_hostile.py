@@ -156,3 +156,128 @@ def test_a_lowercase_method_or_a_tls_hello_on_the_plain_port_is_not_taken_for_a_
             await settled(stack)
 
     run(main())
+
+
+# --- item 8: frames are bounded --------------------------------------------------------------------
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class PeakRss:
+    """The process's (the worker's, served in-process) peak RSS over a block, sampled."""
+
+    def __init__(self) -> None:
+        self.base = rss()
+        self.peak = self.base
+        self._task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, rss())
+            await asyncio.sleep(0.005)
+
+    async def __aenter__(self) -> PeakRss:
+        self._task = asyncio.ensure_future(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def grew(self) -> int:
+        return self.peak - self.base
+
+
+MIB = 1 << 20
+
+
+def frames_on(**kw: Any) -> Any:
+    from numaserve.framing import FramingConfig
+    return serving(framing=FramingConfig(enabled=True, **kw))
+
+
+def test_a_length_prefix_alone_does_not_make_100_connections_hold_the_declared_size() -> None:
+    async def main() -> None:
+        async with frames_on(max_frame_bytes=MIB) as (stack, addr):
+            loop = asyncio.get_running_loop()
+            socks = []
+            async with PeakRss() as mem:
+                for _ in range(100):
+                    s = socket.create_connection(addr)
+                    s.setblocking(False)
+                    await loop.sock_sendall(s, (MIB).to_bytes(4, "big") + b"{")
+                    socks.append(s)
+                await asyncio.sleep(0.3)
+                for s in socks:   # the next read is where the buffer used to grow to 1 MiB
+                    await loop.sock_sendall(s, b'"')
+                await asyncio.sleep(0.5)
+            for s in socks:
+                s.close()
+            assert mem.grew < 40 * MIB, mem.grew   # was +107 MiB
+            await settled(stack)
+
+    run(main())
+
+
+def test_a_response_fetched_through_a_frame_is_capped_with_an_error_frame() -> None:
+    from numaserve.framing import FrameDecoder, decode_response, encode_frame, encode_request
+    from test_worker_permits import STREAMED
+
+    async def main() -> None:
+        async with frames_on() as (stack, addr):
+            def one_reply(b: bytes) -> bool:
+                return len(b) >= 4 and len(b) >= 4 + int.from_bytes(b[:4], "big")
+            async with PeakRss() as mem:
+                out, _ = await talk(addr, encode_frame(encode_request(7, "GET", "/stream?64")), done=one_reply)
+            (payload,) = FrameDecoder().feed(out)
+            reply = decode_response(payload)
+            assert reply["status"] == 500 and "reply limit" in reply["error"], reply
+            assert STREAMED[-1] <= 17   # the app was stopped at the cap, not run to 64 MiB
+            assert mem.grew < 100 * MIB, mem.grew   # was +167-188 MiB
+            await settled(stack)
+
+    run(main())
+
+
+def test_pipelined_frames_are_bounded_by_bytes() -> None:
+    from numaserve.framing import FrameDecoder, encode_frame, encode_request
+
+    async def main() -> None:
+        async with frames_on(max_frame_bytes=2 * MIB) as (stack, addr):
+            body = "b" * (MIB - 200)
+            raw = b"".join(encode_frame(encode_request(i, "POST", "/hold", body=body)) for i in range(64))
+
+            async def one() -> list[bytes]:
+                out, _ = await talk(addr, raw, timeout=120,
+                                    done=lambda b: len(FrameDecoder(16 * MIB).feed(b)) >= 64)
+                return FrameDecoder(16 * MIB).feed(out)
+
+            async with PeakRss() as mem:
+                replies = await asyncio.gather(one(), one(), one())
+            assert [len(r) for r in replies] == [64, 64, 64]
+            assert mem.grew < 64 * MIB, mem.grew   # was +124 MiB here (+199 MiB in the issue); ~22 now
+            await settled(stack)
+
+    run(main())
+
+
+def test_two_bad_frames_in_one_read_are_one_error_and_no_traceback(caplog: Any) -> None:
+    async def main() -> None:
+        async with frames_on(max_frame_bytes=MIB) as (stack, addr):
+            with caplog.at_level("DEBUG"):
+                out, state = await talk(addr, b"\x00\x00\x00\x02xx\x00\xff\xff\xff")
+                out2, _ = await talk(addr, b"\x00\x00\x00\x02xx" * 2)
+                await asyncio.sleep(0.2)
+            assert out and out2 and state == "eof"
+            assert not [r for r in caplog.records if r.exc_info or "Fatal error" in r.getMessage()]
+            assert len([r for r in caplog.records if "frame protocol error" in r.getMessage()]) == 2
+            await settled(stack)
+
+    run(main())

@@ -29,6 +29,9 @@ from numaserve.worker.spec import flat_spec
 from numaserve.worker.stats import WorkerStats
 
 
+STREAMED: list[int] = []   # chunks each /stream request got out
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         while True:
@@ -38,6 +41,17 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 return
     if scope["path"].startswith("/slow"):
         await asyncio.sleep(0.05)
+    if scope["path"] == "/hold":
+        await asyncio.sleep(0.3)
+    if scope["path"] == "/stream":   # ?N: N chunks of 1 MiB (the frame reply limit's test)
+        STREAMED.append(0)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        chunk = b"s" * (1 << 20)
+        for _ in range(int(scope["query_string"] or 1)):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            STREAMED[-1] += 1
+        await send({"type": "http.response.body", "body": b""})
+        return
     out = scope["path"].encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(out))]})
