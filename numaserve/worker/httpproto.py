@@ -484,6 +484,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                     self._unsupported_upgrade_warning()
                 return
             if not self._in_headers or self.transport.is_closing():
+                cycle = self.cycle
+                if cycle is not None and cycle.response_complete and self._header_timer is None \
+                        and not self.transport.is_closing():
+                    self._arm_header_timer()   # the rest of an answered request's body: read_timeout
                 return
             if self._began:   # this head began inside this read: what of the read is its own
                 self._raw_header_bytes = self._head_bytes()   # (earlier requests' bytes are not)
@@ -655,7 +659,12 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             if self.parser.should_upgrade() and self._should_upgrade():
                 return
             cycle = self.cycle
-            if cycle.response_complete:
+            if cycle.response_complete:   # the body of an answered request is in: idle now
+                if self._header_timer is not None:
+                    self._cancel_header_timer()
+                    self._idle_since = self.loop.time()
+                    if self._ka_timer is None:
+                        self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
                 return
             cycle.more_body = False
             cycle.notify()
@@ -758,6 +767,8 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                                   f"({self._header_timeout:g} s)")
             elif self.cycle is None:
                 self.transport.close()  # connected, never sent a byte
+            elif not self._in_headers:
+                self.transport.close()  # the rest of an answered request's body never came
 
         def _reject(self, status: int, msg: str, log: bool = True) -> None:
             """Answer a request the parser refused (400, 408, 431) and close, in order: a request

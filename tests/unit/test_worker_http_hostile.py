@@ -281,3 +281,29 @@ def test_two_bad_frames_in_one_read_are_one_error_and_no_traceback(caplog: Any) 
             await settled(stack)
 
     run(main())
+
+
+# --- item 9: every connection state has a timer -----------------------------------------------------
+
+def test_an_unread_body_then_a_byte_after_the_answer_is_under_read_timeout() -> None:
+    async def main() -> None:
+        async with serving(read_timeout=1.0) as (stack, addr):
+            head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+            s = socket.create_connection(addr)
+            s.setblocking(False)
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.sock_sendall(s, head)
+                out = await asyncio.wait_for(loop.sock_recv(s, 4096), 20)
+                assert out.startswith(b"HTTP/1.1 200 ")
+                await loop.sock_sendall(s, b"a")   # one byte of the body the app never read
+                rest = await asyncio.wait_for(loop.sock_recv(s, 4096), 20)   # closed by read_timeout
+                assert rest == b""
+            finally:
+                s.close()
+            # the body completed after the answer: the connection is idle, and serves the next one
+            out, state = await talk(addr, head + b"a" * 1000 + b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n", until=2)
+            assert out.count(b"HTTP/1.1 200 ") == 2 and state == "open"
+            await settled(stack)
+
+    run(main())
