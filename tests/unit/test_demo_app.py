@@ -152,7 +152,8 @@ def test_bad_json_is_400_openai_shape() -> None:
 
 
 @pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000,
-                                 b"\xff\xfe", b"[1,", b'{"model": "x"', b""])
+                                 b"\xff\xfe", b"[1,", b'{"model": "x"', b""],
+                         ids=["nested-arrays", "nested-objects", "not-utf8", "truncated", "unclosed", "empty"])
 def test_any_invalid_json_is_400_openai_shape(raw: bytes) -> None:
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         status, _headers, body = call("POST", path, raw)
