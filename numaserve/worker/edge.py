@@ -316,7 +316,7 @@ class Edge:
                     return
                 permit = d
                 d.task = asyncio.current_task()   # its owner (numaserve.worker.permits)
-                cpu.admitted()
+                cpu.admitted(queued=False)   # (this task runs it: not a task waiting to start)
                 conn = None
             else:
                 conn = getattr(permit, "conn", None) or scope.pop(CONN_KEY, None)
