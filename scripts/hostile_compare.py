@@ -3,6 +3,7 @@
 
     scripts/hostile_compare.py                       # every case, both servers: a markdown table
     scripts/hostile_compare.py --cases deep-json,tls-hello --servers numaserve
+    scripts/hostile_compare.py --baseline /path/to/older/checkout   # adds "numaserve-base"
 
 Each server runs one worker on 127.0.0.1 with ``scripts/bench_apps/hostileapp.py``
 (numaserve's demo app plus ``/stream`` and ``/sleep``): numaserve with its
@@ -255,9 +256,11 @@ def run_case(srv: Server, case: Callable[[int], tuple[str, str]]) -> Result:
     return Result(answer, state, (peak - base) / MIB, log_after > log_before)
 
 
-def start(kind: str) -> Server:
-    cfg = ServerConfig(kind, workers=1, app="hostileapp:app",
-                       numaserve_toml="\n[server]\nread_timeout = 5\n" if kind == "numaserve" else "")
+def start(kind: str, baseline: str) -> Server:
+    base = kind == "numaserve-base"
+    cfg = ServerConfig("numaserve" if base else kind, workers=1, app="hostileapp:app", label=kind,
+                       checkout=baseline if base else "",
+                       numaserve_toml="\n[server]\nread_timeout = 5\n" if kind != "uvicorn" else "")
     srv = Server(cfg).start()
     srv.wait_ready(timeout=120)
     return srv
@@ -267,20 +270,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="numaserve,uvicorn", help="comma-separated: numaserve, uvicorn")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    ap.add_argument("--baseline", default="", help="an older numaserve source tree, run as numaserve-base")
     args = ap.parse_args(argv)
     servers = [s for s in args.servers.split(",") if s]
+    if args.baseline and "numaserve-base" not in servers:
+        servers.insert(0, "numaserve-base")
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
         if c not in CASES:
             print(f"hostile_compare: unknown case {c!r} (known: {', '.join(CASES)})", file=sys.stderr)
             return 2
     for s in servers:
-        if s not in ("numaserve", "uvicorn"):
-            print(f"hostile_compare: unknown server {s!r} (numaserve, uvicorn)", file=sys.stderr)
+        if s not in ("numaserve", "uvicorn", "numaserve-base") or (s == "numaserve-base" and not args.baseline):
+            print(f"hostile_compare: unknown server {s!r} (numaserve, uvicorn; numaserve-base with --baseline)",
+                  file=sys.stderr)
             return 2
     results: dict[str, dict[str, Result]] = {c: {} for c in cases}
     for kind in servers:
-        srv = start(kind)
+        srv = start(kind, args.baseline)
         try:
             for c in cases:
                 results[c][kind] = run_case(srv, CASES[c])
