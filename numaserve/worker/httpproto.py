@@ -557,7 +557,8 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self._check_head_size()
             parser = self.parser
             upgrade = parser.should_upgrade()
-            if rt is not None and not upgrade and not self._busy():
+            prev = self.cycle
+            if rt is not None and not upgrade and (prev is None or prev.response_complete):
                 # websockets are not gated here, nor a request pipelined behind a running one:
                 # it is decided by the edge when it starts (a permit counts a runnable request;
                 # a refusal then is answered in order, and the connection stays usable)
