@@ -53,6 +53,7 @@ __all__ = [
     "encode_frame",
     "encode_request",
     "encode_response",
+    "could_start_frame",
     "looks_like_http",
 ]
 
@@ -75,6 +76,13 @@ class FrameError(Exception):
 def looks_like_http(first: int) -> bool:
     """True when a connection's first byte starts an HTTP request line (A-Z)."""
     return 0x41 <= first <= 0x5A
+
+
+def could_start_frame(first: int, max_frame: int) -> bool:
+    """True when ``first`` can be the first byte of a frame no longer than ``max_frame``: the
+    top byte of its length prefix.  Anything else (a lowercase method, a TLS ClientHello's
+    0x16, any text) is not a frame and is left to HTTP, which answers it with a 400."""
+    return (first << 24) <= max_frame
 
 
 class FrameDecoder:
@@ -107,7 +115,8 @@ class FrameDecoder:
         return self._end - self._start
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Free space to read into (compacts, and grows only for a declared frame)."""
+        """Free space to read into (compacts, and grows only for a declared frame, as its bytes
+        arrive: at most twice what was received, plus the initial size)."""
         del sizehint
         if self._start:
             n = self._end - self._start
@@ -115,8 +124,11 @@ class FrameDecoder:
                 self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
         need = self._needed()
-        if need > len(self._buf):
-            grown = bytearray(need)
+        size = len(self._buf)
+        if need > size and size - self._end < self._initial // 2:
+            # grow with the bytes received, not to the declared length: a 4-byte prefix alone
+            # must not make a connection hold max_frame bytes (doubling: amortised O(1) copies)
+            grown = bytearray(min(need, max(2 * size, self._end + self._initial)))
             grown[:self._end] = self._buf[:self._end]
             self._buf = grown
         elif self._end == 0 and len(self._buf) > self._initial:

@@ -383,6 +383,9 @@ async def _read_json(receive: Receive, send: Send) -> Any:
     except (ValueError, UnicodeDecodeError) as e:
         await _send_json(send, 400, _error(f"invalid JSON body: {e}", "invalid_request_error"))
         return _NO_BODY
+    except RecursionError:   # e.g. 100,000 nested arrays: the client's error, not a 500
+        await _send_json(send, 400, _error("invalid JSON body: nested too deeply", "invalid_request_error"))
+        return _NO_BODY
 
 
 async def _text(is_chat: bool, receive: Receive, send: Send) -> None:

@@ -86,9 +86,10 @@ class CpuPermit:
     """An admitted request of the "cpu" limiter (one is made per request, so: four slots, no id,
     no dataclass machinery).  Same fields as ``Permit`` where they mean the same: ``enqueued_at``
     (arrival, back-dated by the shell), ``deadline``, ``outcome``, ``released``; ``conn`` is the
-    shell's connection object (its client-gone check), None when unknown."""
+    shell's connection object (its client-gone check), None when unknown; ``task`` the asyncio
+    task running the request once there is one (the owner ``numaserve.worker.permits`` audits)."""
 
-    __slots__ = ("conn", "deadline", "enqueued_at", "outcome", "released")
+    __slots__ = ("conn", "deadline", "enqueued_at", "outcome", "released", "task")
 
     def __init__(self, enqueued_at: float, deadline: float | None) -> None:
         self.enqueued_at = enqueued_at
@@ -96,6 +97,7 @@ class CpuPermit:
         self.outcome: Outcome = "ok"
         self.released = False
         self.conn: object = None
+        self.task: object = None
 
     @property
     def granted_at(self) -> float:
@@ -246,6 +248,7 @@ class CpuGate:
         self.pushed = PushedLimits(settings.burst_fraction, now)
         self._throughput = _Rate(settings.throughput_tau_s, now)
         self.inflight = 0
+        self.live: set[CpuPermit] = set()   # the permits not released: len(live) == inflight, always
         self.waiting = 0       # requests waiting for CPU at the last short-of-CPU decision, less those done since
         self._max_inflight = 0
         self._last_shed = -math.inf
@@ -411,7 +414,9 @@ class CpuGate:
             self._spell_at, self._spell_n = now, self._arrivals - 1   # it stopped: the loop was idle
             if now - lag.at > lag.tau:   # new work after a quiet spell (busy_window_s): the short period
                 lag.period = lag.pmin
-        return CpuPermit(now, deadline)
+        permit = CpuPermit(now, deadline)
+        self.live.add(permit)
+        return permit
 
     def _maybe_start_overload(self, now: float) -> None:
         """A burst outgrew its bound: if work arrived during this busy spell at least
@@ -436,6 +441,7 @@ class CpuGate:
         if permit.released:
             return
         permit.released = True
+        self.live.discard(permit)  # type: ignore[arg-type]
         if self.inflight > 0:
             self.inflight -= 1
         if self.waiting > 0:
@@ -454,6 +460,7 @@ class CpuGate:
         self._c["gone"] += 1
         if permit is not None and not permit.released:
             permit.released = True
+            self.live.discard(permit)  # type: ignore[arg-type]
             self.inflight = max(0, self.inflight - 1)
 
     # --- the sentinel ------------------------------------------------------------------------

@@ -315,7 +315,8 @@ class Edge:
                     await ex.answer(d.status, f"request not admitted: {d.reason}", retry_after=d.retry_after)
                     return
                 permit = d
-                cpu.admitted()
+                d.task = asyncio.current_task()   # its owner (numaserve.worker.permits)
+                cpu.admitted(queued=False)   # (this task runs it: not a task waiting to start)
                 conn = None
             else:
                 conn = getattr(permit, "conn", None) or scope.pop(CONN_KEY, None)

@@ -65,6 +65,10 @@ _VALID: set[tuple[bytes, bytes]] = set()
 _VALID_MAX = 4096
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK_END = b"0\r\n\r\n"
+#: After an error answer and FIN, what the client still sends is read and dropped this long /
+#: this many bytes before the close (``_answer_and_linger``).
+LINGER_S = 2.0
+LINGER_BYTES = 1024 * 1024
 
 
 class _HeaderTooLarge(Exception):
@@ -108,6 +112,7 @@ class LeanCycle(RequestResponseCycle):
         self.edge = proto._fold
         self.folded = False
         self.permit = None
+        self.grant = None    # the admission permit this request owns from head-complete (protocol's)
         self.status = 0
         self.scope = scope
         self.transport = proto.transport
@@ -400,7 +405,8 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._task_done = self.tasks.discard
             self._in_headers = True
             self._exact_head = False    # this read may hold a head over the limit: count it exactly
-            self._raw_header_bytes = 0  # received while headers incomplete
+            self._raw_header_bytes = 0  # of the current request's head, received while it is incomplete
+            self._began = False         # a request began in the read being parsed
             self._too_large = False
             self._header_timer: asyncio.TimerHandle | None = None
             self._idle_since: float | None = None
@@ -408,6 +414,13 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._ns_reject: Any = None
             self._ns_drop = False
             self._ns_deadline = False   # this request's head has an x-request-timeout
+            self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
+            self._owned: dict[Any, Any] = {}   # request task -> its permit (released when done)
+            self.lost = False           # connection_lost ran (``numaserve.worker.permits``)
+            self._current: Any = None   # the cycle whose task was started last
+            self._final: bytes | None = None   # an error answer waiting for the pipeline ahead of it
+            self._linger_timer: asyncio.TimerHandle | None = None
+            self._linger_left = 0       # bytes still read and dropped before a lingering close
 
         # --- connection ----------------------------------------------------------------------
 
@@ -416,7 +429,13 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self.lost = True
             self._cancel_header_timer()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
+            if rt is not None:
+                self._release_unstarted()
             if self._ka_timer is not None:
                 self._ka_timer.cancel()
                 self._ka_timer = None
@@ -433,14 +452,22 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self.parser = None  # type: ignore[assignment]
 
         def data_received(self, data: bytes) -> None:
-            if self._ns_drop:
-                return  # answered and closing: the rest of the request is not ours to parse
+            if self._ns_drop:   # answered and closing: the rest is not ours to parse
+                if self._linger_timer is not None:
+                    self._linger_left -= len(data)
+                    if self._linger_left <= 0:
+                        self.transport.close()
+                return
             self._idle_since = None
             if self._max_header_bytes:
                 self._exact_head = self._raw_header_bytes + len(data) > self._max_header_bytes
+            self._began = False
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
+                if self._grant is not None:   # admitted, then the head failed: no request to own it
+                    grant, self._grant = self._grant, None
+                    gate.release(clock(), grant, "bad_request")
                 if self._ns_reject is not None or self._ns_drop:
                     self._refused()
                 elif self._too_large:  # our callback stopped the parser: say why
@@ -457,8 +484,15 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                     self._unsupported_upgrade_warning()
                 return
             if not self._in_headers or self.transport.is_closing():
+                cycle = self.cycle
+                if cycle is not None and cycle.response_complete and self._header_timer is None \
+                        and not self.transport.is_closing():
+                    self._arm_header_timer()   # the rest of an answered request's body: read_timeout
                 return
-            self._raw_header_bytes += len(data)
+            if self._began:   # this head began inside this read: what of the read is its own
+                self._raw_header_bytes = self._head_bytes()   # (earlier requests' bytes are not)
+            else:
+                self._raw_header_bytes += len(data)
             if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
                 self._reject(431, self._too_large_message())
                 return
@@ -487,6 +521,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             }
             self._in_headers = True
             self._raw_header_bytes = 0
+            self._began = True
             self._ns_deadline = False
 
         # on_url is uvicorn's own: the head is only counted exactly (below) when a read could
@@ -504,11 +539,16 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self._ns_deadline = True
             self.headers.append((name, value))
 
-        def _check_head_size(self) -> None:
+        def _head_bytes(self) -> int:
+            """The current head's bytes parsed so far (request target and complete header
+            lines; a header line still incomplete is counted with the next read, whole)."""
             n = len(self.url)
             for name, value in self.headers:
                 n += len(name) + len(value) + 4
-            if n > self._max_header_bytes:
+            return n
+
+        def _check_head_size(self) -> None:
+            if self._head_bytes() > self._max_header_bytes:
                 self._too_large = True
                 raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError
 
@@ -517,7 +557,11 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self._check_head_size()
             parser = self.parser
             upgrade = parser.should_upgrade()
-            if rt is not None and not upgrade:   # websockets are not gated here
+            prev = self.cycle
+            if rt is not None and not upgrade and (prev is None or prev.response_complete):
+                # websockets are not gated here, nor a request pipelined behind a running one:
+                # it is decided by the edge when it starts (a permit counts a runnable request;
+                # a refusal then is answered in order, and the connection stays usable)
                 self._admit()
             self._in_headers = False
             if self._header_timer is not None:
@@ -544,12 +588,14 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 self.logger.warning("Exceeded concurrency limit.")
                 permit = scope.pop(PERMIT_KEY, None)
                 if permit is not None:   # admitted, but answered without the app: give it back
+                    self._grant = None
                     gate.release(clock(), permit, "ignored")
             else:
                 app = self.app
             existing = self.cycle
             self.cycle = LeanCycle(self, scope, http_version != "1.0" and parser.should_keep_alive(),
                                    self.expect_100_continue)
+            self.cycle.grant, self._grant = self._grant, None   # the request owns its permit now
             if existing is None or existing.response_complete:
                 self._start_asgi_task(self.cycle, app)
             else:  # pipelined: queued behind the running one
@@ -562,12 +608,42 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             ``server_state.tasks`` until done."""
             if app is service_unavailable:
                 app = connection_limit_503
+            self._current = cycle
             if self._reset_context:
                 task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
             else:
                 task = self.loop.create_task(cycle.run_asgi(app))
-            task.add_done_callback(self._task_done)
+            grant = cycle.grant
+            if grant is None:
+                task.add_done_callback(self._task_done)
+            else:   # the task owns the permit now: released when it is done, however it ends
+                grant.task = task
+                self._owned[task] = grant
+                task.add_done_callback(self._owned_task_done)
             self.tasks.add(task)
+
+        def _owned_task_done(self, task: asyncio.Task[None]) -> None:
+            """A request task ended: its permit is given back if the request did not (a task
+            cancelled before it ran never reaches its ``finally``)."""
+            self.tasks.discard(task)
+            grant = self._owned.pop(task, None)
+            if grant is not None and not grant.released:
+                gate.release(clock(), grant, "dropped")
+
+        def _release_unstarted(self) -> None:
+            """The connection is gone: the permits of requests that never started (queued behind
+            the running one, or a head admitted without a request yet) are given back."""
+            now = clock()
+            grant, self._grant = self._grant, None
+            if grant is not None:
+                gate.release(now, grant, "dropped")
+            while self.pipeline:
+                cycle, _app = self.pipeline.pop()
+                grant = cycle.grant
+                if grant is not None:
+                    cycle.grant = None
+                    if not grant.released:
+                        gate.client_gone(now, grant)
 
         def on_body(self, body: bytes) -> None:
             if self.parser.should_upgrade() and self._should_upgrade():
@@ -584,7 +660,12 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             if self.parser.should_upgrade() and self._should_upgrade():
                 return
             cycle = self.cycle
-            if cycle.response_complete:
+            if cycle.response_complete:   # the body of an answered request is in: idle now
+                if self._header_timer is not None:
+                    self._cancel_header_timer()
+                    self._idle_since = self.loop.time()
+                    if self._ka_timer is None:
+                        self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
                 return
             cycle.more_body = False
             cycle.notify()
@@ -599,6 +680,10 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             if self.pipeline:
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
+                return
+            if self._final is not None:   # the requests ahead of an error are answered: now it
+                final, self._final = self._final, None
+                self._answer_and_linger(final)
                 return
             self._idle_since = self.loop.time()
             if self._ka_timer is None:
@@ -639,6 +724,7 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                 raise _Stop
             d.enqueued_at = arrived
             d.conn = self
+            self._grant = d
             self.scope[PERMIT_KEY] = d  # type: ignore[literal-required]
             rt.admitted()
 
@@ -648,8 +734,9 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
             self._cancel_header_timer()
             if rej is not None:
                 rt.edge_rejected[rej.status] = rt.edge_rejected.get(rej.status, 0) + 1
-                self.transport.write(reject_response(rej))
-            self.transport.close()
+                self._answer_and_linger(reject_response(rej))
+            else:
+                self.transport.close()
 
         # --- limits ---------------------------------------------------------------------------
 
@@ -681,21 +768,63 @@ def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
                                   f"({self._header_timeout:g} s)")
             elif self.cycle is None:
                 self.transport.close()  # connected, never sent a byte
+            elif not self._in_headers:
+                self.transport.close()  # the rest of an answered request's body never came
 
         def _reject(self, status: int, msg: str, log: bool = True) -> None:
+            """Answer a request the parser refused (400, 408, 431) and close, in order: a request
+            whose body broke is not run (or, running, sees a disconnect), the requests pipelined
+            ahead of it are answered first, and the close lingers so the client can read it."""
             self._cancel_header_timer()
-            if self._busy():
-                self.transport.close()  # cannot interleave a status into a running response
-                return
+            self._ns_drop = True     # nothing after the error is parsed
+            if log:
+                self.logger.warning("%s: %d", msg, status)
             body = error_body(status, msg)
             content = [STATUS_LINE[status]]
             for name, value in [*self.server_state.default_headers, *error_headers(status, body),
                                 (b"connection", b"close")]:
                 content.extend([name, b": ", value, b"\r\n"])
             content.extend([b"\r\n", body])
-            if log:
-                self.logger.warning("%s: %d", msg, status)
-            self.transport.write(b"".join(content))
-            self.transport.close()
+            answer = b"".join(content)
+            cycle = self.cycle
+            if cycle is not None and not self._in_headers and not cycle.response_complete:
+                # the error is in this request's body
+                if cycle is not self._current:    # queued behind others: it never runs
+                    self.pipeline = type(self.pipeline)(e for e in self.pipeline if e[0] is not cycle)
+                    grant, cycle.grant = cycle.grant, None
+                    if grant is not None and not grant.released:
+                        gate.release(clock(), grant, "bad_request")
+                elif cycle.response_started:      # cannot interleave a status into a response
+                    self.transport.close()
+                    return
+                else:                             # running, nothing sent: it sees a disconnect
+                    cycle.disconnected = True
+                    cycle.notify()
+                    self._answer_and_linger(answer)
+                    return
+            current = self._current
+            if self.pipeline or (current is not None and not current.response_complete
+                                 and not current.disconnected):
+                self._final = answer              # after the requests ahead of it
+                return
+            self._answer_and_linger(answer)
+
+        def _answer_and_linger(self, answer: bytes) -> None:
+            """Write ``answer``, end our side (FIN), read and drop what the client still sends
+            for up to ``LINGER_S`` / ``LINGER_BYTES``, then close: closing with unread bytes
+            would send a reset, which can destroy the answer before the client reads it."""
+            self._ns_drop = True
+            transport = self.transport
+            if transport.is_closing():
+                return
+            transport.write(answer)
+            if not transport.can_write_eof():   # TLS: no half-close, close after the write
+                transport.close()
+                return
+            transport.write_eof()
+            if self.flow.read_paused:
+                self.flow.resume_reading()
+            self._linger_left = LINGER_BYTES
+            self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     return GuardedHttpToolsProtocol

@@ -11,6 +11,9 @@ empty lines (CR/LF, RFC 9112 §2.2: HTTP, since no frame can start so):
   on asyncio and uvloop, plain TCP and TLS transports alike: both switch
   between buffered and plain protocols in place, and later reads go to the
   new protocol directly, so HTTP pays one copy of its first read only.
+  So is any first byte that cannot start a frame within ``max_frame_bytes``
+  (``numaserve.framing.could_start_frame``: a lowercase method, a TLS
+  ClientHello on the plain port): HTTP answers it with a 400, as uvicorn does.
 * frames: the connection stays here.  Every complete frame becomes an ASGI
   ``http`` request to ``config.loaded_app`` — the very stack uvicorn runs
   (metrics, admission, body limits, cache, app) — and is answered with one
@@ -36,11 +39,13 @@ from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
 from numaserve.framing import (
+    DEFAULT_MAX_FRAME,
     HEADER,
     FrameDecoder,
     FrameError,
     FrameRequest,
     FramingConfig,
+    could_start_frame,
     decode_request,
     encode_response,
     looks_like_http,
@@ -70,6 +75,19 @@ _scratch = threading.local()
 #: send RST and the client could lose the error frame.
 _LINGER_S = 2.0
 _LINGER_BYTES = 64 * 1024 * 1024
+#: Request bytes (frame payloads) in flight per connection before it stops reading: pipelined
+#: frames are bounded by bytes, not only by ``max_pipeline`` (64 x 1 MiB held 64 MiB each).
+#: The first request in flight is always taken, whatever its size.
+PIPELINE_BYTES = 4 * 1024 * 1024
+#: The largest reply payload a frame carries: what ``numaserve.client`` accepts by default (or
+#: ``max_frame_bytes`` if larger).  A response past it (a big or endless stream) is cut and
+#: answered with an error frame; the app's ``send`` raises ``ReplyTooLarge``.
+REPLY_LIMIT = DEFAULT_MAX_FRAME
+
+
+class ReplyTooLarge(OSError):
+    """Raised from a frame request's ``send`` once its response is over the reply limit (an
+    ``OSError``: frameworks treat it like a client that went away and stop streaming)."""
 
 
 def _scratch_buffer() -> memoryview:
@@ -121,6 +139,9 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             self._decoder: FrameDecoder | None = None  # made when the first byte says "frames"
             self._mode = ""          # "" sniffing, "frames"
             self._inflight = 0
+            self._inflight_bytes = 0    # payload bytes of the requests in flight
+            self._sizes: dict[Any, int] = {}   # request task -> its payload bytes
+            self._failed = False        # a protocol error was answered: the connection is done
             self._read_paused = False   # we paused the transport
             self._write_paused = False  # the transport asked us to stop writing
             self._closing = False       # no more requests: close when in-flight is 0
@@ -166,7 +187,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 if first[0] in _CRLF or self._blank:
                     self._skip_blank_lines(bytes(first))
                     return
-                if looks_like_http(first[0]):
+                if looks_like_http(first[0]) or not could_start_frame(first[0], settings.max_frame_bytes):
                     self._switch_to_http(bytes(first))
                     return
                 self._mode = "frames"
@@ -250,7 +271,9 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                     if self._timer_kind == "partial":
                         self._cancel_timer()  # progress: the next frame gets its own read_timeout
                     self._on_frame(payload)
-                    if self._inflight >= settings.max_pipeline:
+                    if self._closing:
+                        break
+                    if self._inflight >= settings.max_pipeline or self._inflight_bytes >= PIPELINE_BYTES:
                         self._pause_reading()
                         break
             except FrameError as e:
@@ -272,13 +295,17 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 self._send_error(req.id, 503, "connection limit reached", req.json)
                 return
             self._inflight += 1
+            size = len(payload)
+            self._inflight_bytes += size
             task = self.loop.create_task(self._run(req))
+            self._sizes[task] = size
             self.server_state.tasks.add(task)
             task.add_done_callback(self._task_done)
 
         def _task_done(self, task: asyncio.Task[None]) -> None:
             self.server_state.tasks.discard(task)
             self._inflight -= 1
+            self._inflight_bytes -= self._sizes.pop(task, 0)
             if not task.cancelled() and task.exception() is not None:
                 logger.error("frame request failed", exc_info=task.exception())
             if not self._closing:
@@ -291,7 +318,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
         def _maybe_resume(self) -> None:
             if self._closing or self._write_paused or self._lost or not self._read_paused:
                 return
-            if self._inflight >= settings.max_pipeline:
+            if self._inflight >= settings.max_pipeline or self._inflight_bytes >= PIPELINE_BYTES:
                 return
             self._read_paused = False
             self._process()  # frames already buffered go first
@@ -334,6 +361,9 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
             status = 0
             headers: list[tuple[bytes, bytes]] = []
             chunks: list[bytes] = []
+            size = 0
+            limit = max(REPLY_LIMIT, settings.max_frame_bytes)
+            over = False
             body_sent = False
             complete = False
 
@@ -342,14 +372,16 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                 if not body_sent:
                     body_sent = True
                     return {"type": "http.request", "body": req.body, "more_body": False}
-                if not complete and not self._lost:
+                if not complete and not self._lost and not over:
                     if self._lost_event is None:
                         self._lost_event = asyncio.Event()
                     await self._lost_event.wait()
                 return {"type": "http.disconnect"}
 
             async def send(message: dict[str, Any]) -> None:
-                nonlocal status, headers, complete
+                nonlocal status, headers, complete, size, over
+                if over:
+                    raise ReplyTooLarge(f"response over the frame reply limit ({limit} bytes)")
                 kind = message["type"]
                 if kind == "http.response.start":
                     if status:
@@ -361,12 +393,19 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                         raise RuntimeError("response body without a start or after the end")
                     chunk = message.get("body", b"")
                     if chunk:
+                        size += len(chunk)
+                        if size > limit:   # cut: the memory is given back, the app is stopped
+                            over = True
+                            chunks.clear()
+                            raise ReplyTooLarge(f"response over the frame reply limit ({limit} bytes)")
                         chunks.append(bytes(chunk))
                     if not message.get("more_body", False):
                         complete = True
 
             app = self.config.loaded_app
             timed_out = False
+            too_large = (f"response body over the frame reply limit ({limit} bytes): "
+                         "fetch it over HTTP")
             try:
                 if req.timeout is not None:
                     async with asyncio.timeout(req.timeout) as cm:
@@ -386,9 +425,15 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                     self._send_error(req.id, 504, "deadline passed while the request ran", req.json)
                     return
             except Exception:  # noqa: BLE001 - the app's bug is answered, not fatal
+                if over:   # our own cut (the app let ReplyTooLarge out): answered, not a bug
+                    self._send_error(req.id, 500, too_large, req.json)
+                    return
                 logger.error("Exception in ASGI application (frame)", exc_info=True)
                 if not complete:
                     self._send_error(req.id, 500, "internal error", req.json)
+                return
+            if over:
+                self._send_error(req.id, 500, too_large, req.json)
                 return
             if not complete:
                 self._send_error(req.id, 500, "the app returned without a complete response", req.json)
@@ -402,7 +447,7 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
         # --- answers and errors -----------------------------------------------------------
 
         def _write(self, payload: bytes) -> None:
-            if self._lost or self.transport.is_closing():
+            if self._lost or self.transport.is_closing() or self._mode == "linger":
                 return
             self.transport.writelines([HEADER.pack(len(payload)), payload])
 
@@ -413,7 +458,11 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
                                         as_json=as_json, error=message))
 
         def _fail(self, status: int, message: str, rid: Any, as_json: bool) -> None:
-            """Protocol error: answer, stop reading, close once in-flight replies are out."""
+            """Protocol error: answer, stop reading, close once in-flight replies are out.
+            Once per connection: what follows the first error in the same read is not parsed."""
+            if self._failed:
+                return
+            self._failed = True
             logger.info("frame protocol error %d: %s", status, message)
             self._send_error(rid, status, message, as_json)
             self._closing = True
@@ -441,6 +490,8 @@ def sniffing_protocol(http: Any, settings: FramingConfig, *, read_timeout: float
         # --- timers -------------------------------------------------------------------------
 
         def _update_timer(self) -> None:
+            if self._mode == "linger":
+                return   # the linger timer stays: it ends the connection
             if self._closing:
                 self._cancel_timer()
             elif self._decoder.pending:

@@ -151,6 +151,17 @@ def test_bad_json_is_400_openai_shape() -> None:
     assert status == 400
 
 
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000,
+                                 b"\xff\xfe", b"[1,", b'{"model": "x"', b""],
+                         ids=["nested-arrays", "nested-objects", "not-utf8", "truncated", "unclosed", "empty"])
+def test_any_invalid_json_is_400_openai_shape(raw: bytes) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        status, _headers, body = call("POST", path, raw)
+        assert status == 400, (path, raw[:20], body[:200])
+        err = json.loads(body)["error"]
+        assert err["type"] == "invalid_request_error" and err["message"].startswith("invalid JSON body")
+
+
 def test_wrong_method_is_405_with_allow() -> None:
     status, headers, body = call("GET", "/v1/completions")
     assert status == 405 and headers[b"allow"] == b"POST" and "error" in json.loads(body)

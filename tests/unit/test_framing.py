@@ -96,10 +96,24 @@ def test_decoder_grows_for_a_big_frame_then_shrinks() -> None:
     d = FrameDecoder(100_000, initial=64)
     big = b"x" * 50_000
     assert d.feed(encode_frame(big)[:1000]) == []
-    assert d.capacity >= 50_004
+    assert d.capacity <= 2 * 1000 + 2 * 64   # grows with what arrived, not to the declared 50 kB
     assert d.feed(encode_frame(big)[1000:]) == [big]
     d.get_buffer()
     assert d.capacity == 64
+
+
+def test_a_length_prefix_alone_does_not_allocate_the_declared_size() -> None:
+    """Issue 34: 100 connections x 5 bytes held +107 MiB (each buffer grown to 1 MiB)."""
+    d = FrameDecoder(1 << 20, initial=64 * 1024)
+    assert d.feed(HEADER.pack(1 << 20) + b"x") == []
+    d.get_buffer()
+    assert d.capacity == 64 * 1024
+    chunk = b"y" * 100_000
+    fed = 5
+    while fed < (1 << 20) - 100_000:
+        d.feed(chunk)
+        fed += len(chunk)
+        assert d.capacity <= 2 * fed + 64 * 1024
 
 
 def test_decoder_refuses_oversized_frames_without_allocating() -> None:
