@@ -57,6 +57,8 @@ from numaserve.apps import openai_shapes as oa
 from numaserve.cpulist import ListSyntaxError, parse_list
 
 __all__ = [
+    # the ASGI plumbing the reference model app (numaserve.apps.model) serves with too
+    "NO_BODY", "SSE_HEADERS", "read_json", "response_id", "send_json", "watch_disconnect",
     "MAX_PROMPTS",
     "MAX_REQUEST_BYTES",
     "MAX_TOKENS_LIMIT",
@@ -191,7 +193,7 @@ async def _decode(req: oa.TextRequest, on_token: OnToken | None = None,
 _counter = 0
 
 
-def _response_id(kind: str) -> str:
+def response_id(kind: str) -> str:
     global _counter
     _counter += 1
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{os.getpid()}-{_counter}"
@@ -208,7 +210,7 @@ async def _reply(req: oa.TextRequest) -> dict[str, Any]:
     finish = [c.finish or "length" for c in choices]
     tokens = sum(len(c.pieces) for c in choices)
     build = oa.chat_response if req.kind == "chat" else oa.completion_response
-    return build(req, _response_id(req.kind), int(time.time()), texts, finish, tokens)
+    return build(req, response_id(req.kind), int(time.time()), texts, finish, tokens)
 
 
 async def complete(body: Any) -> dict[str, Any]:
@@ -267,7 +269,7 @@ def _models() -> dict[str, Any]:
 # --- ASGI plumbing ---------------------------------------------------------------
 
 
-async def _send_json(send: Send, status: int, obj: Any,
+async def send_json(send: Send, status: int, obj: Any,
                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(obj, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -337,16 +339,16 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if allowed is None and path.startswith(_MODEL_PREFIX) and method in ("GET", "HEAD"):
         model = path[len(_MODEL_PREFIX):]
         if model == MODEL_ID:
-            await _send_json(send, 200, _model())
+            await send_json(send, 200, _model())
         else:
-            await _send_json(send, 404, _error(f"The model '{model}' does not exist", "invalid_request_error",
+            await send_json(send, 404, _error(f"The model '{model}' does not exist", "invalid_request_error",
                                                "model", "model_not_found"))
         return
     if allowed is None:
-        await _send_json(send, 404, _error(f"no route for {path}", "not_found_error"))
+        await send_json(send, 404, _error(f"no route for {path}", "not_found_error"))
         return
     if method not in allowed:
-        await _send_json(send, 405, _error(f"method {method} not allowed on {path}",
+        await send_json(send, 405, _error(f"method {method} not allowed on {path}",
                                            "invalid_request_error"),
                          [(b"allow", ", ".join(allowed).encode())])
         return
@@ -356,73 +358,73 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
                     "headers": [(b"content-type", b"text/plain"), (b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
     elif path == "/":
-        await _send_json(send, 200, whoami())
+        await send_json(send, 200, whoami())
     elif path == "/v1/models":
-        await _send_json(send, 200, _models())
+        await send_json(send, 200, _models())
     elif path == "/v1/embeddings":
         await _embeddings(receive, send)
     else:
         await _text(path == "/v1/chat/completions", receive, send)
 
 
-_NO_BODY = object()
+NO_BODY = object()
 
 
-async def _read_json(receive: Receive, send: Send) -> Any:
-    """The request body as JSON, or ``_NO_BODY`` after answering 413/400 (or a disconnect)."""
+async def read_json(receive: Receive, send: Send) -> Any:
+    """The request body as JSON, or ``NO_BODY`` after answering 413/400 (or a disconnect)."""
     try:
         raw = await _read_body(receive)
     except _Disconnected:
-        return _NO_BODY  # nobody to answer
+        return NO_BODY  # nobody to answer
     if raw is None:
-        await _send_json(send, 413, _error(f"request body over {MAX_REQUEST_BYTES} bytes",
+        await send_json(send, 413, _error(f"request body over {MAX_REQUEST_BYTES} bytes",
                                            "invalid_request_error"))
-        return _NO_BODY
+        return NO_BODY
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        await _send_json(send, 400, _error(f"invalid JSON body: {e}", "invalid_request_error"))
-        return _NO_BODY
+        await send_json(send, 400, _error(f"invalid JSON body: {e}", "invalid_request_error"))
+        return NO_BODY
     except RecursionError:   # e.g. 100,000 nested arrays: the client's error, not a 500
-        await _send_json(send, 400, _error("invalid JSON body: nested too deeply", "invalid_request_error"))
-        return _NO_BODY
+        await send_json(send, 400, _error("invalid JSON body: nested too deeply", "invalid_request_error"))
+        return NO_BODY
 
 
 async def _text(is_chat: bool, receive: Receive, send: Send) -> None:
     """``/v1/chat/completions`` and ``/v1/completions``: one JSON reply or an SSE stream."""
-    body = await _read_json(receive, send)
-    if body is _NO_BODY:
+    body = await read_json(receive, send)
+    if body is NO_BODY:
         return
     try:
         req = (oa.parse_chat if is_chat else oa.parse_completion)(body, **_limits())
     except oa.BadRequest as e:
-        await _send_json(send, 400, _error(e.message, "invalid_request_error", e.param))
+        await send_json(send, 400, _error(e.message, "invalid_request_error", e.param))
         return
     if not req.stream:
-        await _send_json(send, 200, await _reply(req))
+        await send_json(send, 200, await _reply(req))
         return
     gone = asyncio.Event()
-    watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+    watcher = asyncio.ensure_future(watch_disconnect(receive, gone))
     try:
         await _stream(req, send, gone)
     finally:
         watcher.cancel()
 
 
-async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
     """The body is read: the next message is ``http.disconnect`` when the client leaves."""
     while (await receive())["type"] != "http.disconnect":
         pass
     gone.set()
 
 
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 
 
 async def _stream(req: oa.TextRequest, send: Send, gone: asyncio.Event) -> None:
     """SSE in OpenAI's chunk format: a chunk per token, finish chunks, usage if asked, [DONE]."""
-    rid, created = _response_id(req.kind), int(time.time())
+    rid, created = response_id(req.kind), int(time.time())
     chat = req.kind == "chat"
 
     async def event(obj: Any) -> None:
@@ -433,7 +435,7 @@ async def _stream(req: oa.TextRequest, send: Send, gone: asyncio.Event) -> None:
             await event(oa.chat_chunk(req, rid, created, index, {"content": piece}, None) if chat
                         else oa.completion_chunk(req, rid, created, index, piece, None))
 
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     if chat:  # the first chunk of each choice names the role
         for index in range(req.choices):
             await event(oa.chat_chunk(req, rid, created, index, {"role": "assistant", "content": ""}, None))
@@ -519,25 +521,25 @@ def embed_one() -> Any:
 
 
 async def _embeddings(receive: Receive, send: Send) -> None:
-    body = await _read_json(receive, send)
-    if body is _NO_BODY:
+    body = await read_json(receive, send)
+    if body is NO_BODY:
         return
     inp = body.get("input") if isinstance(body, dict) else None
     texts = [inp] if isinstance(inp, str) else inp
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts) \
             or len(texts) > MAX_EMBED_INPUTS:
-        await _send_json(send, 400, _error(f"input must be a string or a list of 1..{MAX_EMBED_INPUTS} strings",
+        await send_json(send, 400, _error(f"input must be a string or a list of 1..{MAX_EMBED_INPUTS} strings",
                                            "invalid_request_error", "input"))
         return
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        await _send_json(send, 400, _error('encoding_format must be "float" or "base64"',
+        await send_json(send, 400, _error('encoding_format must be "float" or "base64"',
                                            "invalid_request_error", "encoding_format"))
         return
     try:
         import numpy
     except ImportError:
-        await _send_json(send, 503, _error("the embeddings model needs numpy (pip install numpy)", "server_error"))
+        await send_json(send, 503, _error("the embeddings model needs numpy (pip install numpy)", "server_error"))
         return
     fn = embed_one()
     vectors = await asyncio.gather(*(fn(t) for t in texts))
@@ -551,5 +553,5 @@ async def _embeddings(receive: Receive, send: Send) -> None:
             emb = [round(float(f), 6) for f in v]
         data.append({"object": "embedding", "index": i, "embedding": emb})
     tokens = sum(_count_tokens(t) for t in texts)
-    await _send_json(send, 200, {"object": "list", "data": data, "model": body.get("model") or MODEL_ID,
+    await send_json(send, 200, {"object": "list", "data": data, "model": body.get("model") or MODEL_ID,
                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

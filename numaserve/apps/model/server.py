@@ -26,15 +26,15 @@ from typing import Any
 
 from numaserve.apps import openai_shapes as oa
 from numaserve.apps.demo import (
-    _NO_BODY,
-    _SSE_HEADERS,
+    NO_BODY,
+    SSE_HEADERS,
     Receive,
     Scope,
     Send,
-    _read_json,
-    _response_id,
-    _send_json,
-    _watch_disconnect,
+    read_json,
+    response_id,
+    send_json,
+    watch_disconnect,
     whoami,
 )
 from numaserve.apps.model import engine
@@ -140,10 +140,10 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.body", "body": b"ok"})
         return
     if path == "/" and method in ("GET", "HEAD"):
-        await _send_json(send, 200, whoami())
+        await send_json(send, 200, whoami())
         return
     if not engine.loaded():
-        await _send_json(send, 503, oa.error("the model is not loaded (lifespan off and no --preload?)",
+        await send_json(send, 503, oa.error("the model is not loaded (lifespan off and no --preload?)",
                                              "server_error"))
         return
     m = engine.current()
@@ -152,21 +152,21 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if path.startswith("/v1/models/") and method in ("GET", "HEAD"):
         name = path[len("/v1/models/"):]
         if name == m.model_id:
-            await _send_json(send, 200, _model_card(m))
+            await send_json(send, 200, _model_card(m))
         else:
-            await _send_json(send, 404, oa.error(f"The model '{name}' does not exist", "invalid_request_error",
+            await send_json(send, 404, oa.error(f"The model '{name}' does not exist", "invalid_request_error",
                                                  "model", "model_not_found"))
         return
     want = routes.get(path)
     if want is None:
-        await _send_json(send, 404, oa.error(f"no route for {path}", "not_found_error"))
+        await send_json(send, 404, oa.error(f"no route for {path}", "not_found_error"))
         return
     if method != want and not (want == "GET" and method == "HEAD"):
-        await _send_json(send, 405, oa.error(f"method {method} not allowed on {path}", "invalid_request_error"),
+        await send_json(send, 405, oa.error(f"method {method} not allowed on {path}", "invalid_request_error"),
                          [(b"allow", want.encode())])
         return
     if path == "/v1/models":
-        await _send_json(send, 200, {"object": "list", "data": [_model_card(m)]})
+        await send_json(send, 200, {"object": "list", "data": [_model_card(m)]})
     elif path == "/v1/embeddings":
         await _embeddings(m, receive, send)
     else:
@@ -174,25 +174,25 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def _text(m: engine.Model, is_chat: bool, receive: Receive, send: Send) -> None:
-    body = await _read_json(receive, send)
-    if body is _NO_BODY:
+    body = await read_json(receive, send)
+    if body is NO_BODY:
         return
     try:
         req = (oa.parse_chat if is_chat else oa.parse_completion)(body, **_limits(m))
     except oa.BadRequest as e:
-        await _send_json(send, 400, oa.error(e.message, "invalid_request_error", e.param))
+        await send_json(send, 400, oa.error(e.message, "invalid_request_error", e.param))
         return
     req = dataclasses.replace(req, prompt_tokens=sum(len(m.tokenizer.encode(p)) for p in req.prompts))
     decoders = _decoders(m, req)
     if not req.stream:
         texts = await asyncio.gather(*(engine.run(d.run) for d in decoders))
         build = oa.chat_response if is_chat else oa.completion_response
-        await _send_json(send, 200, build(req, _response_id(req.kind), int(time.time()), list(texts),
+        await send_json(send, 200, build(req, response_id(req.kind), int(time.time()), list(texts),
                                           [d.finish or "length" for d in decoders],
                                           sum(d.tokens for d in decoders)))
         return
     gone = asyncio.Event()
-    watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+    watcher = asyncio.ensure_future(watch_disconnect(receive, gone))
     try:
         await _stream(req, decoders, send, gone)
     finally:
@@ -201,7 +201,7 @@ async def _text(m: engine.Model, is_chat: bool, receive: Receive, send: Send) ->
 
 async def _stream(req: oa.TextRequest, decoders: list[Decoder], send: Send, gone: asyncio.Event) -> None:
     """SSE in OpenAI's chunk format: a chunk per token as each choice makes it, finish chunks, [DONE]."""
-    rid, created, chat = _response_id(req.kind), int(time.time()), req.kind == "chat"
+    rid, created, chat = response_id(req.kind), int(time.time()), req.kind == "chat"
     lock = asyncio.Lock()   # choices run concurrently; their chunks go out whole, one at a time
 
     async def event(obj: Any) -> None:
@@ -220,7 +220,7 @@ async def _stream(req: oa.TextRequest, decoders: list[Decoder], send: Send, gone
             await event(oa.chat_chunk(req, rid, created, index, {}, d.finish) if chat
                         else oa.completion_chunk(req, rid, created, index, "", d.finish))
 
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     await asyncio.gather(*(choice(i, d) for i, d in enumerate(decoders)))
     if gone.is_set():
         return  # nobody to finish for
@@ -230,19 +230,19 @@ async def _stream(req: oa.TextRequest, decoders: list[Decoder], send: Send, gone
 
 
 async def _embeddings(m: engine.Model, receive: Receive, send: Send) -> None:
-    body = await _read_json(receive, send)
-    if body is _NO_BODY:
+    body = await read_json(receive, send)
+    if body is NO_BODY:
         return
     inp = body.get("input") if isinstance(body, dict) else None
     texts = [inp] if isinstance(inp, str) else inp
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts) \
             or len(texts) > MAX_EMBED_INPUTS:
-        await _send_json(send, 400, oa.error(f"input must be a string or a list of 1..{MAX_EMBED_INPUTS} strings",
+        await send_json(send, 400, oa.error(f"input must be a string or a list of 1..{MAX_EMBED_INPUTS} strings",
                                              "invalid_request_error", "input"))
         return
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        await _send_json(send, 400, oa.error('encoding_format must be "float" or "base64"',
+        await send_json(send, 400, oa.error('encoding_format must be "float" or "base64"',
                                              "invalid_request_error", "encoding_format"))
         return
     ids = [m.tokenizer.encode(t) for t in texts]
@@ -253,5 +253,5 @@ async def _embeddings(m: engine.Model, receive: Receive, send: Send) -> None:
                     else [round(float(f), 6) for f in v])
         data.append({"object": "embedding", "index": i, "embedding": emb})
     tokens = sum(len(i) for i in ids)
-    await _send_json(send, 200, {"object": "list", "data": data, "model": body.get("model") or m.model_id,
+    await send_json(send, 200, {"object": "list", "data": data, "model": body.get("model") or m.model_id,
                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
