@@ -25,7 +25,8 @@ EQUIVALENTS: dict[str, str] = {
     "--timeout": "set server.graceful_timeout (how long in-flight requests get at stop) or "
                  "supervisor.heartbeat_timeout (when a silent worker is replaced) in the config",
     "--graceful-timeout": "set server.graceful_timeout in the config (or NUMASERVE_SERVER_GRACEFUL_TIMEOUT)",
-    "--keep-alive": "set server.keepalive_timeout in the config (or NUMASERVE_SERVER_KEEPALIVE_TIMEOUT)",
+    "--uds": "bind a unix socket the supervisor owns: `numaserve start --bind unix:/run/numaserve.sock`",
+    "--keep-alive": "numaserve spells it `--timeout-keep-alive SECONDS` (server.keepalive_timeout)",
     "--limit-concurrency": "set server.max_connections in the config, or per slot at run time with "
                            "`numaserve ratelimit set N`",
     "--loop": "set server.loop in the config (auto, uvloop or asyncio)",
