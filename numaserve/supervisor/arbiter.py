@@ -526,14 +526,16 @@ class Supervisor:
         fds = self.listeners.by_slot[plan.slot]
         self.channel.hold(False)   # a new worker's Hello and Ready are read as they come, not at the next tick
         token = workerauth.new_token()
+        progress = self.progress_file(f"slot{plan.slot}-gen{generation}")
         popen, external, env = spawn(
             self.cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
             node_cpus=self._node_cpus(plan.node), token=token, forker=self.templates.forker(),
             gate_page=self.queue_shed.page_for(plan.slot) if self.queue_shed is not None else "",
+            progress_file=progress,
         )
         w = S.WorkerProc(generation=generation, popen=popen, started=now, external=external, env=env,
-                         token=None if external else token)
+                         token=None if external else token, progress_path=None if external else progress)
         log.info(
             "spawn",
             slot=plan.slot,
@@ -547,6 +549,14 @@ class Supervisor:
             start=TemplateManager.worker_start(popen)["mode"],
         )
         return w
+
+    def progress_file(self, name: str) -> str:
+        """A loading process's ``numaserve.progress`` file, in the runtime directory's ``progress/``."""
+        d = self.runtime.path / "progress"
+        d.mkdir(mode=0o700, exist_ok=True)
+        path = d / f"{name}.json"
+        path.unlink(missing_ok=True)  # a file left by an earlier supervisor must not look like progress
+        return str(path)
 
     def _note_spawn_error(self, e: BaseException) -> None:
         if fdbudget.is_fd_exhaustion(e) and self.fdwatch is not None:
@@ -656,6 +666,10 @@ class Supervisor:
                         if "fd_limit" in extra else None)
             d["control_refused"] = self.rejected.get(slot.plan.slot, 0)
             d["start"] = TemplateManager.worker_start(slot.worker.popen) if slot.worker else None
+            if slot.state == S.STARTING and slot.worker is None:   # waiting on its node's template
+                tmpl = self.templates.loading(slot.plan.node, now)
+                if tmpl is not None:
+                    d["state"], d["loading"] = S.LOADING, tmpl
             out.append(d)
         return out
 

@@ -38,7 +38,8 @@ class ExternalReadiness:
         slot (``[cmd] ready``) until the new process accepts (and answers)."""
         spec = parse_ready(self.ctl.cfg.cmd.ready)
         if spec.kind == "alive" or self.steering() is None or self.steering().paused:
-            if now - w.started >= min(1.0, self.ctl.cfg.supervisor.ready_timeout):
+            limit = self.ctl.cfg.supervisor.ready_timeout
+            if now - w.started >= (min(1.0, limit) if limit > 0 else 1.0):
                 w.last_beat = now
                 self.lifecycle.on_ready(slot, w, now)
             return

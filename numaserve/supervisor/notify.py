@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Iterable, Mapping
 
-from numaserve.supervisor.slots import FAILED, READY, SlotState
+from numaserve.supervisor.slots import FAILED, LOADING, READY, SlotState
 
 
 # systemd's STATUS_TEXT_MAX is 4 KiB; keep status lines well inside one datagram.
@@ -101,13 +101,18 @@ def status_line(state: str, slots: Iterable[SlotState]) -> str:
     slots = list(slots)
     nodes: dict[int, list[str]] = {}
     for s in slots:
-        nodes.setdefault(s.plan.node, []).append(s.state)
+        nodes.setdefault(s.plan.node, []).append(s.shown_state())
     parts = []
     for node, states in sorted(nodes.items()):
         ready = states.count(READY)
         extra = sorted({st for st in states if st != READY})
         parts.append(f"node{node} {ready}/{len(states)} ready" + (f" ({','.join(extra)})" if extra else ""))
     line = f"{state}: " + "; ".join(parts)
+    now = time.monotonic()
+    loading = [f"slot {s.plan.slot} {s.worker.load.describe(now)}" for s in slots
+               if s.shown_state() == LOADING and s.worker is not None and s.worker.load is not None]
+    if loading:  # how far each load has come (elapsed, and the app's progress when it reports it)
+        line += "; " + "; ".join(loading[:8])
     failed = [s for s in slots if s.state == FAILED]
     if failed:  # say what is missing and why (systemctl status shows this line)
         line += "; missing: " + "; ".join(
