@@ -46,6 +46,7 @@ from numaserve.runtime import (
     EVENTS_SOCKET,
     OPS_RO_SOCKET,
     OPS_SOCKET,
+    PROGRESS_DIR,
     RuntimeDir,
     tight_umask,
 )
@@ -552,7 +553,7 @@ class Supervisor:
 
     def progress_file(self, name: str) -> str:
         """A loading process's ``numaserve.progress`` file, in the runtime directory's ``progress/``."""
-        d = self.runtime.path / "progress"
+        d = self.runtime.path / PROGRESS_DIR
         d.mkdir(mode=0o700, exist_ok=True)
         path = d / f"{name}.json"
         path.unlink(missing_ok=True)  # a file left by an earlier supervisor must not look like progress
