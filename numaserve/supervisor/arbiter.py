@@ -915,6 +915,8 @@ class Supervisor:
             n.ready(line)
         elif line != self.last_status_line:
             n.status(line)
+        if not n.ready_sent and any(s.shown_state() == S.LOADING for s in self.slots.values()):
+            n.extend_start(now)   # loads judged alive (a stalled one is killed): not cut by TimeoutStartSec
         self.last_status_line = line
         # WATCHDOG=1 only from this loop and only while it is healthy: the loop
         # ran this tick, and the control channel is alive.

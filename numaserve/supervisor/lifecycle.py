@@ -326,12 +326,11 @@ class Lifecycle:
                 reason = None
                 if w.ready is None and not w.external:
                     reason = self.loading_verdict(slot, w, now)
-                elif w.ready is None and sup.ready_timeout > 0 and now - w.started > sup.ready_timeout:
-                    reason = f"not ready within {sup.ready_timeout:g}s (supervisor.ready_timeout)"
-                    if w.external and w.probe_note:
-                        reason += f" (last probe: {w.probe_note})"
-                elif w.ready is None:
-                    pass
+                elif w.ready is None:   # --cmd: no beats to judge a load by, only the operator's deadline
+                    if sup.ready_timeout > 0 and now - w.started > sup.ready_timeout:
+                        reason = f"not ready within {sup.ready_timeout:g}s (supervisor.ready_timeout)"
+                        if w.probe_note:
+                            reason += f" (last probe: {w.probe_note})"
                 elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
                     reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
                 if reason:

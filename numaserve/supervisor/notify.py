@@ -19,6 +19,11 @@ from numaserve.supervisor.slots import FAILED, LOADING, READY, SlotState
 # systemd's STATUS_TEXT_MAX is 4 KiB; keep status lines well inside one datagram.
 STATUS_MAX = 1000
 
+#: While loads are alive before READY=1, systemd's start timeout is pushed this far
+#: ahead (EXTEND_TIMEOUT_USEC), at most once per EXTEND_EVERY_S.
+EXTEND_BY_S = 60.0
+EXTEND_EVERY_S = 10.0
+
 
 class Notifier:
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -33,6 +38,7 @@ class Notifier:
         if usec.isdigit() and int(usec) > 0 and (not wpid or wpid == str(os.getpid())):
             self.watchdog_interval = int(usec) / 1e6
         self.last_ping: float | None = None
+        self.last_extend: float | None = None
         self.ready_sent = False
         self._sock: socket.socket | None = None
 
@@ -61,6 +67,18 @@ class Notifier:
 
     def status(self, status: str) -> None:
         self.send(STATUS=status)
+
+    def extend_start(self, now: float) -> bool:
+        """A load is alive before READY=1: push systemd's TimeoutStartSec out (systemd >= 236).
+
+        The loads themselves are judged by the supervisor (a stalled one is killed), so a
+        long model load is not cut by the unit's start timeout.  True when sent."""
+        if self.ready_sent or self.address is None:
+            return False
+        if self.last_extend is not None and now - self.last_extend < EXTEND_EVERY_S:
+            return False
+        self.last_extend = now
+        return self.send(EXTEND_TIMEOUT_USEC=int(EXTEND_BY_S * 1e6))
 
     def stopping(self, status: str = "stopping") -> None:
         self.send(STOPPING=1, STATUS=status)

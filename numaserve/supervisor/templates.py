@@ -504,6 +504,7 @@ class TemplateManager:
                  if nt.current is not None and nt.current.state == STARTING and nt.current.load is not None]
         if parts:
             notifier.status("starting: " + "; ".join(parts))
+            notifier.extend_start(now)
 
     def _progress_file(self, name: str) -> str | None:
         make = getattr(self.sup, "progress_file", None)
