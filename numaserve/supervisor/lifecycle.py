@@ -185,7 +185,7 @@ class Lifecycle:
             oom_note = self.cgroup_oom_note(w)
             if oom_note:
                 oom = True
-                reason = w.exit_cause = f"{cause}: {oom_note}"
+                reason = w.exit_cause = f"killed by SIGKILL: {oom_note}"
         verdict = X.classify_exit(code=code, was_ready=w.ready is not None, we_stopped=w.stop_sent is not None,
                                   we_killed=w.kill_reason is not None, stopped_from_outside=w.stopped_outside,
                                   goodbye=w.goodbye, oom_killed=oom)

@@ -104,3 +104,13 @@ def test_operation_without_wait_shows_the_outcome(capsys: pytest.CaptureFixture[
         show_operation(op("failed", "slot 1 not ready"), as_json=False)
     show_operation(op("running", ""), as_json=False)
     assert "--wait" in capsys.readouterr().out
+
+
+def test_a_loading_slot_shows_elapsed_time_and_the_apps_progress() -> None:
+    from numaserve.cli.ops_cmd import _state
+
+    assert _state({"state": "loading", "loading": {"elapsed_s": 42.3, "fraction": 0.35, "note": "layer 12/32"}}) \
+        == "loading 42s 35% layer 12/32"
+    assert _state({"state": "loading", "loading": {"elapsed_s": 600, "fraction": None, "note": None}}) \
+        == "loading 10m"
+    assert _state({"state": "ready", "loading": None}) == "ready"

@@ -282,3 +282,36 @@ def test_the_apps_own_boot_failure_at_first_start_still_exits_3() -> None:
     f.exit(f.slots[0].worker, WORKER_EXIT_APP_LOAD, now=1.0)
     f.life.check_boot_failure()
     assert f.life.exit_code == EXIT_NO_SLOT
+
+
+def test_an_oom_kill_while_loading_is_named_with_the_cgroup_limit_and_peak_rss(tmp_path) -> None:
+    from numaserve.supervisor.loadwatch import ProcSample
+
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 0\noom_group_kill 0\n")
+    (cg / "memory.max").write_text("536870912\n")
+    f = FakeSlots(1, auto_ready=False)
+    f.life.cgroup_of = lambda pid: str(cg)
+    slot = f.slots[0]
+    f.life.start_worker(slot, 0.0)
+    w = slot.worker
+    assert w.cgroup == str(cg) and w.oom_base == 0
+    f.samples[w.pid] = ProcSample(state="R", cpu_ticks=1, faults=1, rss_bytes=500 << 20, io_bytes=1)
+    f.life.watchdog(1.0)
+    (cg / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\noom_group_kill 0\n")
+    f.exit(w, -signal.SIGKILL, now=2.0)
+    assert slot.last_exit_kind == X.EXTERNAL and slot.state == S.BACKOFF
+    assert slot.last_restart_reason == (f"killed by SIGKILL: OOM-killed (memory.events oom_kill "
+                                        f"0 -> 1 in {cg}; memory.max 536870912; peak RSS seen 500 MiB)")
+
+
+def test_cgroup_helpers_read_v2_files_and_say_none_otherwise(tmp_path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("0::/system.slice/numaserve.service\n")
+    assert X.cgroup_dir(7, proc=str(proc), root="/sys/fs/cgroup") == "/sys/fs/cgroup/system.slice/numaserve.service"
+    (proc / "7" / "cgroup").write_text("12:memory:/x\n")       # cgroup v1: no unified line
+    assert X.cgroup_dir(7, proc=str(proc)) is None
+    assert X.cgroup_dir(8, proc=str(proc)) is None
+    assert X.cgroup_oom_kills(str(tmp_path / "none")) is None and X.cgroup_memory_max(str(tmp_path)) is None
