@@ -705,7 +705,7 @@ class TemplateManager:
                 self._drain(t)
                 code = t.popen.returncode
                 t.exit_code = code
-                why = t.reason if t.state == FAILED else describe_exit(code)
+                why = t.reason if t.state == FAILED else (t.killed_for or describe_exit(code))
                 nt.current = None
                 nt.last_exit = why
                 self._close_sock(t)
