@@ -157,10 +157,13 @@ class LoadProgress:
         }
 
     def describe(self, now: float) -> str:
-        """One phrase for STATUS= and the table: ``loading 42s 35% layer 12/32``."""
-        out = f"loading {now - self.started:.0f}s"
+        """One phrase for systemd's STATUS=: ``loading 40s 35% layer 12/32``.
+
+        Elapsed time in 10 s steps and whole percent: the line changes (and is sent)
+        a few times a minute, not on every supervision tick."""
+        out = f"loading {int((now - self.started) // 10 * 10)}s"
         if self.fraction is not None:
-            out += f" {self.fraction * 100:.0f}%"
+            out += f" {int(self.fraction * 100)}%"
         if self.note:
             out += f" {self.note[:60]}"
         return out

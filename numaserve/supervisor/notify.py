@@ -20,9 +20,11 @@ from numaserve.supervisor.slots import FAILED, LOADING, READY, SlotState
 STATUS_MAX = 1000
 
 #: While loads are alive before READY=1, systemd's start timeout is pushed this far
-#: ahead (EXTEND_TIMEOUT_USEC), at most once per EXTEND_EVERY_S.
+#: ahead (EXTEND_TIMEOUT_USEC), at most once per EXTEND_EVERY_S, from EXTEND_AFTER_S
+#: after start on (inside systemd's default 90 s; a short start needs no message).
 EXTEND_BY_S = 60.0
 EXTEND_EVERY_S = 10.0
+EXTEND_AFTER_S = 45.0
 
 
 class Notifier:
@@ -39,6 +41,7 @@ class Notifier:
             self.watchdog_interval = int(usec) / 1e6
         self.last_ping: float | None = None
         self.last_extend: float | None = None
+        self.created = time.monotonic()
         self.ready_sent = False
         self._sock: socket.socket | None = None
 
@@ -46,15 +49,18 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
-    def send(self, **fields: object) -> bool:
-        """Send KEY=VALUE lines; keys are given in Python form (READY=1 → READY=1)."""
+    def send(self, *, wait: bool = True, **fields: object) -> bool:
+        """Send KEY=VALUE lines; keys are given in Python form (READY=1 → READY=1).
+
+        ``wait=False``: dropped rather than waited for when the receiver's queue is full
+        (advice such as STATUS= must never stall the supervision loop)."""
         if self.address is None:
             return False
         payload = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(payload, self.address)
+            self._sock.sendto(payload, 0 if wait else socket.MSG_DONTWAIT, self.address)
             return True
         except OSError:
             return False
@@ -66,19 +72,19 @@ class Notifier:
             self.ping(time.monotonic())  # first ping right after READY (no kill window)
 
     def status(self, status: str) -> None:
-        self.send(STATUS=status)
+        self.send(STATUS=status, wait=False)
 
     def extend_start(self, now: float) -> bool:
         """A load is alive before READY=1: push systemd's TimeoutStartSec out (systemd >= 236).
 
         The loads themselves are judged by the supervisor (a stalled one is killed), so a
         long model load is not cut by the unit's start timeout.  True when sent."""
-        if self.ready_sent or self.address is None:
+        if self.ready_sent or self.address is None or now - self.created < EXTEND_AFTER_S:
             return False
         if self.last_extend is not None and now - self.last_extend < EXTEND_EVERY_S:
             return False
         self.last_extend = now
-        return self.send(EXTEND_TIMEOUT_USEC=int(EXTEND_BY_S * 1e6))
+        return self.send(EXTEND_TIMEOUT_USEC=int(EXTEND_BY_S * 1e6), wait=False)
 
     def stopping(self, status: str = "stopping") -> None:
         self.send(STOPPING=1, STATUS=status)
