@@ -22,3 +22,7 @@ def _import_structlog_without_rich() -> None:
 
 
 _import_structlog_without_rich()
+
+from numaserve.progress import report_progress  # noqa: E402  (public API: a load's progress, for status)
+
+__all__ = ["__version__", "report_progress"]

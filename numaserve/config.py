@@ -100,7 +100,7 @@ class SupervisorConfig(_Section):
     runtime_dir: str = ""
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
-    ready_timeout: float = 60.0
+    ready_timeout: float = 0.0   # 0: loading has no wall-clock deadline (a stalled load is still killed)
     stop_timeout: float = 5.0
     abort_grace: float = 3.0
     backoff_initial: float = 0.1
@@ -292,7 +292,7 @@ _POSITIVE = {
     ("ops", "rate_limit"), ("ops", "rate_burst"), ("admin", "max_connections"), ("admin", "idle_timeout"),
     ("server", "backlog"), ("server", "max_header_bytes"), ("server", "max_body_bytes"),
     ("supervisor", "heartbeat_interval"), ("supervisor", "heartbeat_timeout"),
-    ("supervisor", "ready_timeout"), ("supervisor", "backoff_initial"),
+    ("supervisor", "backoff_initial"),
     ("supervisor", "backoff_max"), ("supervisor", "crash_loop_limit"),
     ("supervisor", "crash_loop_window"), ("supervisor", "stop_timeout"),
     ("supervisor", "failed_retry_interval"), ("cmd", "probe_timeout"), ("cmd", "probe_interval"),
@@ -303,7 +303,7 @@ _NON_NEGATIVE = {
     ("server", "graceful_timeout"), ("server", "lb_grace"), ("server", "keepalive_timeout"), ("server", "max_connections"),
     ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
-    ("supervisor", "unresponsive_after"), ("placement", "locality_interval"),
+    ("supervisor", "unresponsive_after"), ("placement", "locality_interval"), ("supervisor", "ready_timeout"),
 }
 _NON_NEGATIVE |= {("worker", "max_requests"), ("worker", "max_requests_jitter"), ("worker", "max_lifetime")}
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")

@@ -27,6 +27,7 @@ AUDIT_LOG = "audit.log"
 EVENTS_SOCKET = "events.sock"
 LOCK_FILE = "supervisor.lock"
 PID_FILE = "supervisor.pid"
+PROGRESS_DIR = "progress"   # loading processes' numaserve.progress files
 
 
 def resolve_runtime_dir(configured: str = "", environ: dict[str, str] | None = None) -> Path:
@@ -184,6 +185,10 @@ class RuntimeDir:
         for name in (CONTROL_SOCKET, OPS_SOCKET, OPS_RO_SOCKET, EVENTS_SOCKET, PID_FILE):
             with contextlib.suppress(OSError):  # gone, or the directory turned read-only
                 (self.path / name).unlink()
+        with contextlib.suppress(OSError):      # what processes stopped while loading left
+            for f in (self.path / PROGRESS_DIR).iterdir():
+                f.unlink()
+            (self.path / PROGRESS_DIR).rmdir()
         os.close(self.lock_fd)
         self.lock_fd = None
 

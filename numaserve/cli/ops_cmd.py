@@ -83,6 +83,13 @@ def _call(target: Any, verb: str, args: dict[str, Any] | None = None, timeout: f
 def _state(s: dict[str, Any]) -> str:
     """The slot state, plus what an operator needs next to it (steered away, when a retry comes)."""
     st = str(s["state"])
+    load = s.get("loading")
+    if isinstance(load, dict):   # elapsed, and the app's own progress when it reports it
+        st += f" {_duration(load.get('elapsed_s') or 0)}"
+        if load.get("fraction") is not None:
+            st += f" {load['fraction'] * 100:.0f}%"
+        if load.get("note"):
+            st += f" {str(load['note'])[:24]}"
     if s.get("condition"):
         st += f",{s['condition']}"
     if s.get("unresponsive_s") is not None:

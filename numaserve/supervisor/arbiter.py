@@ -47,6 +47,7 @@ from numaserve.runtime import (
     EVENTS_SOCKET,
     OPS_RO_SOCKET,
     OPS_SOCKET,
+    PROGRESS_DIR,
     RuntimeDir,
     tight_umask,
 )
@@ -537,14 +538,16 @@ class Supervisor:
         fds = self.listeners.for_slot(plan.slot)
         self.channel.hold(False)   # a new worker's Hello and Ready are read as they come, not at the next tick
         token = workerauth.new_token()
+        progress = self.progress_file(f"slot{plan.slot}-gen{generation}")
         popen, external, env = spawn(
             self.cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
             node_cpus=self._node_cpus(plan.node), token=token, forker=self.templates.forker(),
             gate_page=self.queue_shed.page_for(plan.slot) if self.queue_shed is not None else "",
+            progress_file=progress,
         )
         w = S.WorkerProc(generation=generation, popen=popen, started=now, external=external, env=env,
-                         token=None if external else token)
+                         token=None if external else token, progress_path=None if external else progress)
         log.info(
             "spawn",
             slot=plan.slot,
@@ -558,6 +561,14 @@ class Supervisor:
             start=TemplateManager.worker_start(popen)["mode"],
         )
         return w
+
+    def progress_file(self, name: str) -> str:
+        """A loading process's ``numaserve.progress`` file, in the runtime directory's ``progress/``."""
+        d = self.runtime.path / PROGRESS_DIR
+        d.mkdir(mode=0o700, exist_ok=True)
+        path = d / f"{name}.json"
+        path.unlink(missing_ok=True)  # a file left by an earlier supervisor must not look like progress
+        return str(path)
 
     def _note_spawn_error(self, e: BaseException) -> None:
         if fdbudget.is_fd_exhaustion(e) and self.fdwatch is not None:
@@ -672,6 +683,10 @@ class Supervisor:
                         if "fd_limit" in extra else None)
             d["control_refused"] = self.rejected.get(slot.plan.slot, 0)
             d["start"] = TemplateManager.worker_start(slot.worker.popen) if slot.worker else None
+            if slot.state == S.STARTING and slot.worker is None:   # waiting on its node's template
+                tmpl = self.templates.loading(slot.plan.node, now)
+                if tmpl is not None:
+                    d["state"], d["loading"] = S.LOADING, tmpl
             out.append(d)
         return out
 
@@ -919,6 +934,8 @@ class Supervisor:
             n.ready(line)
         elif line != self.last_status_line:
             n.status(line)
+        if not n.ready_sent and any(s.shown_state() == S.LOADING for s in self.slots.values()):
+            n.extend_start(now)   # loads judged alive (a stalled one is killed): not cut by TimeoutStartSec
         self.last_status_line = line
         # WATCHDOG=1 only from this loop and only while it is healthy: the loop
         # ran this tick, and the control channel is alive.

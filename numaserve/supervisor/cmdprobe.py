@@ -40,7 +40,8 @@ class ExternalReadiness:
         # a unix-only bind has no slot's own queue to route a probe to: the alive rule
         if spec.kind == "alive" or self.steering() is None or self.steering().paused \
                 or not self.listeners().by_slot.get(slot.plan.slot):
-            if now - w.started >= min(1.0, self.ctl.cfg.supervisor.ready_timeout):
+            limit = self.ctl.cfg.supervisor.ready_timeout
+            if now - w.started >= (min(1.0, limit) if limit > 0 else 1.0):
                 w.last_beat = now
                 self.lifecycle.on_ready(slot, w, now)
             return

@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass
 
 __all__ = ["EXPECTED", "EXTERNAL", "CRASH", "BOOT", "HANG", "KINDS", "ExitVerdict", "classify_exit",
-           "EXTERNAL_SIGNALS", "oom_kill_count"]
+           "EXTERNAL_SIGNALS", "oom_kill_count", "cgroup_dir", "cgroup_oom_kills", "cgroup_memory_max"]
 
 EXPECTED = "expected"   # we asked it to stop (stop, drain, replace)
 EXTERNAL = "external"   # killed or stopped from outside while serving
@@ -52,11 +52,21 @@ def classify_exit(*, code: int, was_ready: bool, we_stopped: bool, we_killed: bo
     if we_stopped and not we_killed:
         return ExitVerdict(EXPECTED, False, "asked to stop")
     if we_killed:
-        if stopped_from_outside and was_ready:
+        if stopped_from_outside:
             return ExitVerdict(EXTERNAL, False, "frozen from outside (SIGSTOP), then killed by the watchdog")
         return ExitVerdict(HANG, True, "killed by the watchdog")
     if not was_ready:
-        return ExitVerdict(BOOT, True, "died before it was ready" + (" (OOM-killed)" if oom_killed else ""))
+        # a kill from outside while loading (the OOM killer during a model load, an operator's
+        # kill -9) is not the app's own boot failure: retried at once, never a crash loop
+        sig = _signal_of(code)
+        if sig in EXTERNAL_SIGNALS:
+            hint = ""
+            if sig == signal.SIGKILL:
+                hint = " (OOM-killed: the oom_kill count went up)" if oom_killed else " (the OOM killer or an operator)"
+            return ExitVerdict(EXTERNAL, False, f"{sig.name} from outside while loading{hint}")
+        if goodbye and goodbye.startswith("stopped: SIG") and not we_stopped:
+            return ExitVerdict(EXTERNAL, False, f"{goodbye.split(':', 1)[1].strip()} from outside while loading")
+        return ExitVerdict(BOOT, True, "died before it was ready")
     if code < 0:
         try:
             sig = signal.Signals(-code)
@@ -75,6 +85,49 @@ def classify_exit(*, code: int, was_ready: bool, we_stopped: bool, we_killed: bo
     if code == 0:
         return ExitVerdict(CRASH, True, "exited on its own (status 0) while it should serve")
     return ExitVerdict(CRASH, True, f"exited on its own (status {code})")
+
+
+def _signal_of(code: int) -> signal.Signals | None:
+    if code >= 0:
+        return None
+    try:
+        return signal.Signals(-code)
+    except ValueError:
+        return None
+
+
+def cgroup_dir(pid: int, proc: str = "/proc", root: str = "/sys/fs/cgroup") -> str | None:
+    """A live process's cgroup v2 directory (the ``0::`` line of /proc/PID/cgroup); None on v1 or when gone."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return root.rstrip("/") + line[3:].strip()
+    except OSError:
+        return None
+    return None
+
+
+def cgroup_oom_kills(directory: str) -> int | None:
+    """``oom_kill`` of a cgroup's ``memory.events``: processes in it (or below) the OOM killer ended."""
+    try:
+        with open(f"{directory}/memory.events") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def cgroup_memory_max(directory: str) -> str | None:
+    """The cgroup's ``memory.max`` as written there ("max" or bytes); None when unreadable."""
+    try:
+        with open(f"{directory}/memory.max") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def oom_kill_count(proc: str = "/proc") -> int | None:

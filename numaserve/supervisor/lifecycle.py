@@ -1,10 +1,13 @@
 """Every slot's worker from spawn to exit: the supervision state machine.
 
-spawn → STARTING → (Ready) READY → exit → classified (``supervisor.exits``)
-→ BACKOFF (jittered exponential delay) → spawn again, or FAILED (crash loop,
-deterministic boot failure) → retried after ``failed_retry_interval``.
-The watchdog turns a missed ready deadline or silent heartbeats into
-SIGABRT then SIGKILL; ``verify`` compares what /proc shows with the plan.
+spawn → STARTING (shown as ``loading``) → (Ready) READY → exit → classified
+(``supervisor.exits``) → BACKOFF (jittered exponential delay) → spawn again,
+or FAILED (crash loop, deterministic boot failure) → retried after
+``failed_retry_interval``.  A kill from outside while loading is retried at
+once (then paced), never FAILED.  The watchdog turns a stalled load
+(``supervisor.loadwatch``: no beat, report or /proc counter moving), an
+operator's ready deadline or silent heartbeats into SIGABRT then SIGKILL;
+``verify`` compares what /proc shows with the plan.
 
 No sockets here and no process creation: a worker is started through the
 ``SpawnWorker`` callable the supervisor passes in (the one seam that turns a
@@ -28,6 +31,8 @@ from numaserve.supervisor import exits as X
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy
 from numaserve.supervisor.leakwatch import read_statm_rss
+from numaserve.supervisor.loadwatch import LoadProgress, ProcSample, load_verdict, read_sample
+from numaserve.progress import read_progress
 
 log = structlog.get_logger("numaserve.supervisor")
 
@@ -37,6 +42,9 @@ EXIT_ERROR = 1           # fatal runtime error
 EXIT_USAGE = 2           # bad config / arguments (raised before start)
 EXIT_NO_SLOT = 3         # no slot could start (e.g. the app cannot import)
 EXIT_FORCED = 4          # stopped, but workers had to be killed (timeout or second signal)
+
+#: A "loading" log line per loading worker this often (elapsed, RSS, progress).
+LOADING_LOG_S = 20.0
 
 WORKER_EXIT_APP_LOAD = 3       # numaserve.worker.main.EXIT_APP_LOAD_FAILED
 LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.bind.launch: binding or exec failed
@@ -85,6 +93,8 @@ class Lifecycle:
         on_exit: Callable[[S.WorkerProc], None] = lambda w: None,
         oom_count: Callable[[], int | None] = X.oom_kill_count,
         frozen: Callable[[int], bool] = process_frozen,
+        sample: Callable[[int], ProcSample | None] = read_sample,
+        cgroup_of: Callable[[int], str | None] = X.cgroup_dir,
     ) -> None:
         self.cfg = cfg
         self.slots = slots
@@ -97,6 +107,8 @@ class Lifecycle:
         self.on_exit = on_exit
         self.oom_count = oom_count
         self.frozen = frozen
+        self.sample = sample
+        self.cgroup_of = cgroup_of
         self.stopping = False
         self.forced_kills = False
         self.fatal: str | None = None
@@ -112,7 +124,12 @@ class Lifecycle:
     def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
         """Start the slot's next generation (raises OSError/NumaserveError)."""
         slot.generation += 1
-        return self.spawn_worker(slot.plan, slot.generation, now)
+        w = self.spawn_worker(slot.plan, slot.generation, now)
+        if not w.external:
+            w.load = LoadProgress.begin(w.started)
+            w.cgroup = self.cgroup_of(w.pid)
+            w.oom_base = X.cgroup_oom_kills(w.cgroup) if w.cgroup else None
+        return w
 
     def start_worker(self, slot: S.SlotState, now: float) -> None:
         try:
@@ -137,6 +154,7 @@ class Lifecycle:
         cause = describe_exit(code)
         reason = w.kill_reason or (f"goodbye: {w.goodbye}; {cause}" if w.goodbye and code != 0 else cause)
         w.exit_code, w.exit_cause = code, reason
+        self.forget_progress(w)
         w.exit_evt.set()
         w.ready_evt.set()  # wake anyone waiting for readiness: it will not come
         self.on_exit(w)
@@ -164,6 +182,10 @@ class Lifecycle:
             count = self.oom_count()
             oom = count is not None and self._oom_seen is not None and count > self._oom_seen
             self._oom_seen = count
+            oom_note = self.cgroup_oom_note(w)
+            if oom_note:
+                oom = True
+                reason = w.exit_cause = f"killed by SIGKILL: {oom_note}"
         verdict = X.classify_exit(code=code, was_ready=w.ready is not None, we_stopped=w.stop_sent is not None,
                                   we_killed=w.kill_reason is not None, stopped_from_outside=w.stopped_outside,
                                   goodbye=w.goodbye, oom_killed=oom)
@@ -190,6 +212,7 @@ class Lifecycle:
         external = kind == X.EXTERNAL
         delay, looping = slot.restart.record_exit(now, uptime, external=external)
         slot.restarts += 1
+        slot.down_since = slot.down_since or now
         slot.last_restart_reason = reason
         slot.last_exit_kind = kind
         cls = S.restart_reason_class(reason)
@@ -252,6 +275,7 @@ class Lifecycle:
             return
         w.ready = now
         w.ready_evt.set()
+        self.forget_progress(w)
         if w is slot.worker and not self.stopping and w.stop_sent is None:
             self.mark_ready(slot, now)
         elif w is slot.incoming:
@@ -262,6 +286,7 @@ class Lifecycle:
     def mark_ready(self, slot: S.SlotState, now: float) -> None:
         slot.state = S.READY
         slot.ever_ready = True
+        slot.down_since = None
         slot.failed_reason = None
         slot.next_retry = None
         if slot.retrying:  # a failed slot came back: its crash history is over
@@ -299,15 +324,18 @@ class Lifecycle:
                     continue
                 self._responsiveness(slot, w, now)
                 reason = None
-                if w.ready is None and now - w.started > sup.ready_timeout:
-                    reason = f"not ready within {sup.ready_timeout:g}s"
-                    if w.external and w.probe_note:
-                        reason += f" (last probe: {w.probe_note})"
+                if w.ready is None and not w.external:
+                    reason = self.loading_verdict(slot, w, now)
+                elif w.ready is None:   # --cmd: no beats to judge a load by, only the operator's deadline
+                    if sup.ready_timeout > 0 and now - w.started > sup.ready_timeout:
+                        reason = f"not ready within {sup.ready_timeout:g}s (supervisor.ready_timeout)"
+                        if w.probe_note:
+                            reason += f" (last probe: {w.probe_note})"
                 elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
                     reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
                 if reason:
                     w.stopped_outside = w.stopped_outside or self.frozen(w.pid)
-                    if w.stopped_outside:
+                    if w.stopped_outside and not reason.startswith("frozen from outside"):
                         reason = f"frozen from outside (SIGSTOP): {reason}"
                     w.kill_reason = reason
                     w.abort_sent = now
@@ -315,6 +343,54 @@ class Lifecycle:
                     # SIGABRT first (a Python worker dumps its stack via faulthandler);
                     # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
                     self.signal(w, signal.SIGABRT)
+
+    def loading_verdict(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> str | None:
+        """Gather a loading worker's signs of life (beats, its progress file, /proc) and judge them."""
+        sup = self.cfg.supervisor
+        if w.load is None:
+            w.load = LoadProgress.begin(w.started)
+        p = w.load
+        p.heard(now, w.last_beat)
+        if w.progress_path:
+            data = read_progress(w.progress_path)
+            if data is not None:
+                p.heard(now, data["beat"], "load beat")
+                p.report(now, data["at"], data["fraction"], data["note"])
+        p.observe(now, self.sample(w.pid))
+        if p.log_due(now, LOADING_LOG_S):
+            log.info("loading", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
+                     elapsed_s=round(now - p.started, 1), rss_bytes=p.sample.rss_bytes if p.sample else None,
+                     fraction=p.fraction, note=p.note or None, last_sign=p.sign,
+                     last_sign_s=round(now - p.last_sign, 1))
+        return load_verdict(p, now, stall_after=sup.heartbeat_timeout, deadline=sup.ready_timeout)
+
+    def cgroup_oom_note(self, w: S.WorkerProc) -> str | None:
+        """When the worker's cgroup counted an OOM kill since it started: say so, with the limit
+        and the peak RSS the supervisor saw (None otherwise, or when the cgroup is unknown)."""
+        if not w.cgroup or w.oom_base is None:
+            return None
+        count = X.cgroup_oom_kills(w.cgroup)
+        if count is None or count <= w.oom_base:
+            return None
+        peak = max(w.rss_bytes, w.load.peak_rss if w.load else 0)
+        limit = X.cgroup_memory_max(w.cgroup) or "?"
+        return (f"OOM-killed (memory.events oom_kill {w.oom_base} -> {count} in {w.cgroup}; "
+                f"memory.max {limit}; peak RSS seen {peak / 1048576:.0f} MiB)")
+
+    @staticmethod
+    def forget_progress(w: S.WorkerProc) -> None:
+        """The progress file is only read while the worker loads: remove it once it is ready or gone."""
+        if w.progress_path:
+            try:
+                os.unlink(w.progress_path)
+            except OSError:
+                pass
+            w.progress_path = None
+
+    def all_down(self) -> bool:
+        """No slot serves and every slot that should has failed since it last served (or ever)."""
+        slots = [s for s in self.slots.values() if not s.drained]
+        return bool(slots) and all(s.state != S.READY and s.down_since is not None for s in slots)
 
     def unresponsive_after(self) -> float:
         sup = self.cfg.supervisor
@@ -392,6 +468,13 @@ class Lifecycle:
                 self.all_ready_logged = True
                 log.info("ready", slots=len(slots), startup_s=round(now - self.started, 3))
             return "running"
+        if self.all_down():
+            if state != "failed":
+                log.error("service_failed", note="no slot is serving; every slot keeps being retried",
+                          slots={str(s.plan.slot): s.failed_reason or s.last_restart_reason for s in slots})
+            return "failed"
+        if state == "failed":
+            return "degraded" if any(s.state == S.READY for s in slots) else "starting"
         if state == "starting":
             # boot settled with some slots failed and the rest serving: that is
             # a state to report (READY=1, STATUS, /readyz), not to wait out

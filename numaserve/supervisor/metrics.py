@@ -52,9 +52,9 @@ SnapshotFn = Callable[[], Mapping[str, Any]]
 #: Histogram bounds exported (ms; exposed as seconds).
 STANDARD_BUCKETS_MS: tuple[float, ...] = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
-SLOT_STATES: tuple[str, ...] = (S.STARTING, S.READY, S.BACKOFF, S.FAILED, S.STOPPING, S.STOPPED,
+SLOT_STATES: tuple[str, ...] = (S.STARTING, S.LOADING, S.READY, S.BACKOFF, S.FAILED, S.STOPPING, S.STOPPED,
                                 S.DRAINING, S.DRAINED)
-SUPERVISOR_STATES: tuple[str, ...] = ("starting", "running", "degraded", "stopping")
+SUPERVISOR_STATES: tuple[str, ...] = ("starting", "running", "degraded", "failed", "stopping")
 #: ``slots.restart_reason_class`` vocabulary, pre-initialised to 0 so the first restart is a visible increase.
 RESTART_REASONS: tuple[str, ...] = ("hung", "not_ready", "sigkill", "sigabrt", "sigsegv", "app_failed",
                                     "spawn_failed", "binding", "leak", "soft_cap", "hard_cap", "reload",

@@ -207,11 +207,12 @@ class Operations:
         ctl = self.ctl
         limit = ctl.cfg.supervisor.ready_timeout
         try:
-            await asyncio.wait_for(new.ready_evt.wait(), limit + 1.0)
+            # no deadline (0): a load ends in Ready or an exit (the watchdog kills a stalled one)
+            await asyncio.wait_for(new.ready_evt.wait(), limit + 1.0 if limit > 0 else None)
         except TimeoutError:
             pass
         if new.ready is None or new.exit_code is not None:
-            why = new.exit_cause or new.kill_reason or f"not ready within {limit:g}s"
+            why = new.exit_cause or new.kill_reason or f"not ready within {limit:g}s (supervisor.ready_timeout)"
             if new.popen.poll() is None:
                 new.kill_reason = new.kill_reason or "replacement aborted"
                 ctl.kill(new, time.monotonic())

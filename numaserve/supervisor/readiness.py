@@ -22,7 +22,8 @@ def unready_slots(snapshot: Mapping[str, Any]) -> list[dict[str, Any]]:
     slots = [s for s in (snapshot.get("slots") or []) if isinstance(s, Mapping)]
     out = [
         {"slot": s.get("slot"), "node": s.get("node"), "state": s.get("state"),
-         "reason": s.get("failed_reason") or s.get("last_exit")}
+         "reason": s.get("failed_reason") or s.get("last_exit"),
+         **({"loading": s["loading"]} if s.get("loading") else {})}
         for s in slots
         if not s.get("drained") and s.get("state") != S.DRAINED and s.get("state") != S.READY
     ]

@@ -10,10 +10,12 @@ from typing import Any, Iterator
 from numaserve.control.messages import Placement, Stats
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.backoff import RestartState
+from numaserve.supervisor.loadwatch import LoadProgress
 from numaserve.supervisor.workerproc import WorkerProcess
 
 # Slot states, in the order an operator usually sees them.
 STARTING = "starting"      # worker spawned, not Ready yet
+LOADING = "loading"        # shown for STARTING while a worker (or its node's template) loads the app
 READY = "ready"            # worker serving
 BACKOFF = "backoff"        # waiting to restart after an exit
 FAILED = "failed"          # crash loop or boot failure: retried only after supervisor.failed_retry_interval
@@ -127,6 +129,10 @@ class WorkerProc:
     exit_code: int | None = None
     exit_cause: str | None = None
     env: dict[str, str] = field(default_factory=dict)   # what numaserve set (thread pools, GPUs, [env])
+    progress_path: str | None = None    # its numaserve.progress file while it loads
+    load: LoadProgress | None = None    # signs of life until Ready (supervisor.loadwatch)
+    cgroup: str | None = None           # its cgroup v2 directory, read while it lives (OOM accounting)
+    oom_base: int | None = None         # that cgroup's memory.events oom_kill when it started
     ready_evt: asyncio.Event = field(default_factory=asyncio.Event)
     exit_evt: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -157,6 +163,7 @@ class SlotState:
     incoming: WorkerProc | None = None  # next generation during a rolling replace
     retiring: list[WorkerProc] = field(default_factory=list)  # old generations draining out
     operation: str | None = None        # id of the operation working on this slot
+    down_since: float | None = None     # unexpected exit since it last served: counts towards "all slots down"
 
     def workers(self) -> Iterator[WorkerProc]:
         """Every live-or-unreaped worker of the slot: current, incoming, retiring."""
@@ -176,6 +183,13 @@ class SlotState:
                 and w.stop_sent is None and w.abort_sent is None and w.kill_sent is None
                 and w.unresponsive_since is None)
 
+    def shown_state(self) -> str:
+        """The state operators see: ``loading`` while a Python worker is spawned but not Ready."""
+        w = self.worker
+        if self.state == STARTING and w is not None and not w.external and w.ready is None:
+            return LOADING
+        return self.state
+
     def find(self, generation: int) -> WorkerProc | None:
         for w in self.workers():
             if w.generation == generation:
@@ -194,7 +208,8 @@ class SlotState:
             # the serving worker's generation (after a failed reload: the old one's), not the counter
             "generation": w.generation if w else None,
             "generations_started": self.generation,
-            "state": self.state,
+            "state": self.shown_state(),
+            "loading": w.load.to_json(now) if w and w.ready is None and w.load and not w.external else None,
             "cpus": list(self.plan.cpus),
             "mempolicy": self.plan.mempolicy,
             "memory_nodes": list(self.plan.memory_nodes),

@@ -21,6 +21,7 @@ from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
 from numaserve.bind.launch import build_launch_argv
 from numaserve.net.listeners import Listener
+from numaserve.progress import PROGRESS_ENV
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV, token_pipe
@@ -182,6 +183,7 @@ def spawn(
     token: str | None = None,
     forker: Callable[..., WorkerProcess | None] | None = None,
     gate_page: str = "",
+    progress_file: str = "",
 ) -> tuple[WorkerProcess, bool, dict[str, str]]:
     """Start the slot's worker; returns (process, external?, variables numaserve set).
 
@@ -190,7 +192,8 @@ def spawn(
     whose fd number is in ``NUMASERVE_TOKEN_FD`` (to a forked worker: in the
     fork request).  ``forker``: the node templates' fork hook
     (``numaserve.supervisor.templates``); when it returns None the worker is
-    exec'd as usual.
+    exec'd as usual.  ``progress_file``: where the worker reports its load
+    (``numaserve.progress``) until it is ready.
     """
     base = os.environ if environ is None else environ
     extra = numaserve_env(cfg, base, plan, generation, all_gpus)
@@ -210,6 +213,9 @@ def spawn(
         ppid=os.getpid(),
     )
     env = worker_env(base, plan, generation, spec, extra)
+    env.pop(PROGRESS_ENV, None)
+    if progress_file and spec is not None:
+        env[PROGRESS_ENV] = progress_file
     if forker is not None and spec is not None:
         env.pop(TOKEN_FD_ENV, None)
         forked = forker(plan, spec, env, listeners, token)

@@ -43,9 +43,12 @@ from numaserve.bind.placement import SlotPlan
 from numaserve.bind.workerenv import GPU_VENDORS, THREAD_POOL_VARS
 from numaserve.config import Config
 from numaserve.net.listeners import Listener
+from numaserve.progress import PROGRESS_ENV, read_progress
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.supervisor.exits import EXTERNAL_SIGNALS
 from numaserve.supervisor.fdbudget import restore_child_nofile
-from numaserve.supervisor.lifecycle import describe_exit
+from numaserve.supervisor.lifecycle import LOADING_LOG_S, describe_exit
+from numaserve.supervisor.loadwatch import LoadProgress, load_verdict, read_sample
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV
 from numaserve.supervisor.workerproc import (
     ForkedProcess,
@@ -68,6 +71,13 @@ log = structlog.get_logger("numaserve.supervisor")
 
 #: A fork takes milliseconds; a template that does not answer in this long is treated as hung.
 FORK_REPLY_TIMEOUT_S = 3.0
+
+#: How often a start-up wait looks at its loading templates (liveness, deadline, STATUS=).
+LOAD_POLL_S = 0.5
+
+#: A zygote imports numaserve's worker stack only (about a second): bounded even when
+#: supervisor.ready_timeout is 0.
+ZYGOTE_READY_S = 60.0
 
 #: Nice steps a template generation (or zygote) imports at while workers serve on its node:
 #: the import then takes CPU the serving workers leave, instead of a fair share of theirs.
@@ -141,6 +151,9 @@ class TemplateProc:
     kind: str = "template"                 # or "zygote" (forks templates, never imports the app)
     cwd: str = ""
     forked_from: int | None = None         # the zygote's pid, when a zygote forked this template
+    progress_path: str | None = None       # its numaserve.progress file while it loads
+    load: LoadProgress | None = None       # signs of life until ready (supervisor.loadwatch)
+    killed_for: str | None = None          # set when the supervisor killed it (stalled, deadline)
 
     @property
     def pid(self) -> int:
@@ -212,23 +225,24 @@ class TemplateManager:
             self.nodes[node] = NodeTemplate(node=node, plans=plans, restart=RestartState(self.policy),
                                             zygote_restart=RestartState(self.policy))
         zygotes = [z for nt in self.nodes.values() if (z := self._start_zygote(nt, self.sup.cfg)) is not None]
-        await self._wait_ready(zygotes, self.sup.cfg.supervisor.ready_timeout)
+        await self._wait_ready(zygotes, self.sup.cfg)
         started = []
         for nt in self.nodes.values():
             t = self._start_generation(nt, self.sup.cfg)
             if t is not None:
                 nt.current = t
                 started.append(t)
-        await self._wait_ready(started, self.sup.cfg.supervisor.ready_timeout)
+        await self._wait_ready(started, self.sup.cfg)
         for t in started:
             nt = self.nodes[t.node]
             if t.state == STARTING:
                 code = t.popen.poll()
-                self._retire(t, describe_exit(code) + " before it was ready" if code is not None
-                             else f"not ready within {self.sup.cfg.supervisor.ready_timeout:g}s")
+                self._retire(t, t.killed_for or (describe_exit(code) + " before it was ready" if code is not None
+                                                 else "not ready when the supervisor stopped waiting"))
                 nt.current = None
                 nt.last_exit = t.reason
-                self._schedule_restart(nt, time.monotonic(), t.reason or "not ready")
+                self._schedule_restart(nt, time.monotonic(), t.reason or "not ready",
+                                       external=self._external_exit(t, code))
             elif t.state == FAILED:
                 log.error("template_failed", node=t.node, generation=t.generation, reason=t.reason,
                           fallback="exec")
@@ -330,6 +344,9 @@ class TemplateManager:
         """
         env, cpus, first = self._node_env(nt, cfg)
         nt.generation += 1
+        progress = self._progress_file(f"template-node{nt.node}-gen{nt.generation}")
+        if progress:
+            env[PROGRESS_ENV] = progress
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         nice = BOOT_NICE if self._serving(nt) else 0
 
@@ -363,6 +380,8 @@ class TemplateManager:
             parent.close()
             self._schedule_restart(nt, time.monotonic(), "spawn failed")
             return None
+        t.progress_path = env.get(PROGRESS_ENV)
+        t.load = LoadProgress.begin(t.started)
         self._watch(t, parent)
         if nice:
             self._bound_boot_idle(t)
@@ -418,10 +437,94 @@ class TemplateManager:
             return None, z.reason
         return None, f"zygote: {msg.get('reason') or msg.get('t')}"
 
-    async def _wait_ready(self, ts: Sequence[TemplateProc], timeout: float) -> None:
-        waits = [t.ready_evt.wait() for t in ts if t.state == STARTING]
-        if waits:
-            await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout)
+    async def _wait_ready(self, ts: Sequence[TemplateProc], cfg: Config) -> None:
+        """Until each is ready, failed or gone, or the supervisor stops.
+
+        Templates are judged as the watchdog judges loading workers (``judge``): one that
+        stalls, or passes an operator's ``supervisor.ready_timeout``, is killed with the
+        reason.  Each pass's waits are cancelled and awaited: none is left pending.
+        """
+        while True:
+            pending = [t for t in ts if t.state == STARTING and t.popen.poll() is None]
+            if not pending or getattr(self.sup, "stopping", False):
+                return
+            now = time.monotonic()
+            for t in pending:
+                if t.killed_for is None:
+                    self.judge(t, now, cfg)
+            self._notify_loading(now)
+            waits = [asyncio.ensure_future(t.ready_evt.wait()) for t in pending]
+            try:
+                await asyncio.wait(waits, timeout=LOAD_POLL_S)
+            finally:
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+
+    def judge(self, t: TemplateProc, now: float, cfg: Config) -> None:
+        """A starting template's signs of life (progress file, /proc); kill it when stalled or late."""
+        sup = cfg.supervisor
+        if t.kind == "zygote":
+            limit = sup.ready_timeout or ZYGOTE_READY_S
+            why = f"not ready within {limit:g}s" if now - t.started > limit else None
+        else:
+            if t.load is None:
+                t.load = LoadProgress.begin(t.started)
+            p = t.load
+            data = read_progress(t.progress_path) if t.progress_path else None
+            if data is not None:
+                p.heard(now, data["beat"], "load beat")
+                p.report(now, data["at"], data["fraction"], data["note"])
+            p.observe(now, read_sample(t.pid))
+            if p.log_due(now, LOADING_LOG_S):
+                log.info("template_loading", node=t.node, generation=t.generation, pid=t.pid,
+                         elapsed_s=round(now - p.started, 1), rss_bytes=p.sample.rss_bytes if p.sample else None,
+                         fraction=p.fraction, note=p.note or None, last_sign=p.sign,
+                         last_sign_s=round(now - p.last_sign, 1))
+            why = load_verdict(p, now, stall_after=sup.heartbeat_timeout, deadline=sup.ready_timeout)
+        if why is not None:
+            t.killed_for = t.reason = why
+            log.error(f"{t.kind}_killed", node=t.node, generation=t.generation, pid=t.pid, reason=why)
+            self._kill(t)
+
+    def loading(self, node: int, now: float | None = None) -> dict[str, Any] | None:
+        """The node's current template load, for the slots waiting on it (None when not loading)."""
+        nt = self.nodes.get(node)
+        t = nt.current if nt else None
+        if t is None or t.state != STARTING or t.load is None or t.popen.poll() is not None:
+            return None
+        return {**t.load.to_json(time.monotonic() if now is None else now), "by": "template", "pid": t.pid}
+
+    def _notify_loading(self, now: float) -> None:
+        """systemd STATUS= while templates load (the supervision loop does not tick yet)."""
+        notifier = getattr(self.sup, "notifier", None)
+        if notifier is None or not notifier.enabled:
+            return
+        parts = [f"node{nt.node} template {nt.current.load.describe(now)}" for nt in self.nodes.values()
+                 if nt.current is not None and nt.current.state == STARTING and nt.current.load is not None]
+        if parts:
+            notifier.status("starting: " + "; ".join(parts))
+            notifier.extend_start(now)
+
+    def _progress_file(self, name: str) -> str | None:
+        make = getattr(self.sup, "progress_file", None)
+        if make is None:
+            return None
+        try:
+            return str(make(name))
+        except OSError as e:
+            log.warning("progress_file_unusable", name=name, error=str(e))
+            return None
+
+    @staticmethod
+    def _external_exit(t: TemplateProc, code: int | None) -> bool:
+        """Killed by a signal from outside (OOM killer, operator), not by us and not by its own failure."""
+        if code is None or code >= 0 or t.killed_for is not None or t.state == FAILED:
+            return False
+        try:
+            return signal.Signals(-code) in EXTERNAL_SIGNALS
+        except ValueError:
+            return False
 
     # ---------------------------------------------------------------- messages
 
@@ -602,14 +705,22 @@ class TemplateManager:
                 self._drain(t)
                 code = t.popen.returncode
                 t.exit_code = code
-                why = t.reason if t.state == FAILED else describe_exit(code)
+                why = t.reason if t.state == FAILED else (t.killed_for or describe_exit(code))
                 nt.current = None
                 nt.last_exit = why
                 self._close_sock(t)
+                if t.progress_path:
+                    try:
+                        os.unlink(t.progress_path)
+                    except OSError:
+                        pass
                 if not self.sup.stopping:
                     log.warning("template_exit", node=nt.node, generation=t.generation, pid=t.pid, exit=why,
                                 forks=t.forks, note="its workers keep serving; new workers are exec'd until it is back")
-                    self._schedule_restart(nt, now, why, uptime=now - t.started)
+                    self._schedule_restart(nt, now, why, uptime=now - t.started,
+                                           external=self._external_exit(t, code))
+            elif t is not None and t.state == STARTING and t.killed_for is None:
+                self.judge(t, now, self.sup.cfg)
             elif t is None and nt.next_start is not None and now >= nt.next_start and not self.sup.stopping:
                 nt.next_start = None
                 new = self._start_generation(nt, self.sup.cfg)
@@ -654,8 +765,9 @@ class TemplateManager:
         nt.zygote_next = now + delay
         log.info("zygote_backoff", node=nt.node, delay_s=round(delay, 3), reason=why, crash_loop=looping)
 
-    def _schedule_restart(self, nt: NodeTemplate, now: float, why: str, uptime: float = 0.0) -> None:
-        delay, looping = nt.restart.record_exit(now, uptime)
+    def _schedule_restart(self, nt: NodeTemplate, now: float, why: str, uptime: float = 0.0,
+                          external: bool = False) -> None:
+        delay, looping = nt.restart.record_exit(now, uptime, external=external)
         if looping:
             delay = nt.restart.retry_delay()
         nt.next_start = now + delay
@@ -682,7 +794,7 @@ class TemplateManager:
         new = {node: self._start_generation(nt, cfg) for node, nt in self.nodes.items()}
         started = [t for t in new.values() if t is not None]
         timeout = cfg.supervisor.ready_timeout
-        await self._wait_ready(started, timeout)
+        await self._wait_ready(started, cfg)
         bad = []
         for node, t in sorted(new.items()):
             if t is None:
@@ -690,7 +802,8 @@ class TemplateManager:
             elif t.state not in (READY, REFUSED):
                 state = t.state if t.popen.poll() is None else f"exited ({t.popen.returncode})"
                 bad.append(f"node {node}: new template (generation {t.generation}) "
-                           + (t.reason or (f"not ready within {timeout:g}s" if t.state == STARTING else state)))
+                           + (t.reason or (f"not ready within {timeout:g}s (supervisor.ready_timeout)"
+                                           if t.state == STARTING else state)))
         if bad:
             for t in started:
                 self._retire(t, "reload failed")
@@ -794,6 +907,7 @@ class TemplateManager:
                 "forks": t.forks if t else 0,
                 "threads": list(t.threads) if t else [],
                 "reason": t.reason if t else None,
+                "loading": t.load.to_json(now) if t and t.state == STARTING and t.load else None,
                 "memory": read_smaps_rollup(t.pid) if t and t.popen.poll() is None else None,
                 "running": bool(t and t.popen.poll() is None),
                 "restarts": nt.restarts,

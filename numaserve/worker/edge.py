@@ -434,15 +434,42 @@ class Edge:
                      None if ex.read_deadline == -1.0 else ex.raw_receive)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's lifespan, recorded; an app that raises during its startup fails it.
+
+        uvicorn ("auto") reads any exception from the lifespan call as "lifespan
+        unsupported" and serves.  That fits an app that raises before it received
+        anything (it does not speak lifespan); an app that received
+        ``lifespan.startup`` and then raised before answering has failed its
+        startup: it gets ``lifespan.startup.failed`` with the exception's text,
+        so the worker exits 3 with that reason.
+        """
         record = self.lifespan
+        phase = {"received": False, "answered": False}
+
+        async def recording_receive() -> Message:
+            message = await receive()
+            if message.get("type") == "lifespan.startup":
+                phase["received"] = True
+            return message
 
         async def recording_send(message: Message) -> None:
-            if message.get("type") == "lifespan.startup.failed":
+            kind = message.get("type")
+            if kind == "lifespan.startup.failed":
                 record.startup_failed_message = str(message.get("message") or "") or "no message"
+            if kind in ("lifespan.startup.complete", "lifespan.startup.failed"):
+                phase["answered"] = True
             await send(message)
 
         try:
-            await self.app(scope, receive, recording_send)
+            await self.app(scope, recording_receive, recording_send)
+        except Exception as e:
+            record.exception = describe_exception(e)
+            if phase["received"] and not phase["answered"]:
+                record.startup_failed_message = record.exception
+                logging.getLogger("uvicorn.error").error("lifespan startup raised", exc_info=e)
+                await recording_send({"type": "lifespan.startup.failed", "message": record.exception})
+                return
+            raise
         except BaseException as e:
             record.exception = describe_exception(e)
             raise

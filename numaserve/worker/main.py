@@ -34,6 +34,7 @@ from numaserve.worker.fdwatch import FdWatch
 from numaserve.worker.edge import LifespanRecord, build_stack
 from numaserve.worker.serve import WorkerServer, loop_factory, open_listener
 from numaserve.worker.preload import PreloadError, run_preload
+from numaserve.progress import LoadBeat
 from numaserve.worker.sniff import frame_stats
 from numaserve.worker.spec import WorkerSpec, spec_from_env
 from numaserve.worker.stats import StatsDedup, WorkerStats
@@ -117,6 +118,7 @@ class Worker:
         self._sentinel_start: Any = None  # starts the admission sentinel once serving
         self._handback: Any = None        # the supervisor's non-HTTP connections come back here
         self._stats_in_beats = False      # set once serving (``_start_stats``)
+        self._load_beat = LoadBeat(spec.heartbeat_interval)  # signs of life while the app loads
 
     # --- actions (called by the dispatcher, SIGTERM, the orphan check) ---------
 
@@ -222,6 +224,7 @@ class Worker:
         runtime.probe.attach_page(page)
 
     def _on_started(self) -> None:
+        self._load_beat.stop()
         if self._stop_deadline is not None:
             return
         if self._sentinel_start is not None:
@@ -356,6 +359,7 @@ class Worker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._load_beat.stop()
             self._stop_sentinel()
             if self._handback is not None:   # open until now: a connection handed back while draining is served
                 self._handback.close(loop)
@@ -381,6 +385,7 @@ class Worker:
                          placement=placement, token=self.token))
         self._spawn(self._recv_loop())
         self._spawn(self._heartbeat_loop())
+        self._load_beat.start()  # the import below may hold this thread (and the GIL) for minutes
 
         socks = []
         for fd in [spec.fd, *spec.extra_fds]:

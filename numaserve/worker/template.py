@@ -338,13 +338,17 @@ class Template(RequestLoop):
             return self._boot(load_app, remember_app, run_preload, (AppLoadError, PreloadError))
 
     def _boot(self, load_app: Any, remember_app: Any, run_preload: Any, errors: tuple[type, ...]) -> bool:
+        from numaserve.progress import LoadBeat
+
         spec = self.spec
         t0 = time.monotonic()
+        # the beat thread is joined before the thread check below: a template forks single-threaded
         try:
-            app = load_app(spec.app, spec.app_dir)
-            remember_app(spec.app, spec.app_dir, app)
-            t1 = time.monotonic()
-            preload_s = run_preload(spec.preload) if spec.preload else 0.0
+            with LoadBeat(LOAD_BEAT_S):
+                app = load_app(spec.app, spec.app_dir)
+                remember_app(spec.app, spec.app_dir, app)
+                t1 = time.monotonic()
+                preload_s = run_preload(spec.preload) if spec.preload else 0.0
         except errors as e:
             self.log.error("template_failed", node=spec.node, generation=spec.generation, reason=str(e),
                            exc_info=e.__cause__ is not None)
@@ -506,6 +510,10 @@ def lower_priority(by: int) -> int | None:
 #: How long a boot that yields to serving workers may run at SCHED_IDLE (only on CPU time they
 #: leave) before it falls back to ``nice +boot_nice``, so a saturated node still gets its template.
 BOOT_IDLE_S = 0.1
+
+#: How often a loading template stamps its progress file (``numaserve.progress.LoadBeat``):
+#: well inside any supervisor.heartbeat_timeout (which must exceed heartbeat_interval).
+LOAD_BEAT_S = 0.5
 
 
 class BootPriority:

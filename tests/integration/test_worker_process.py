@@ -77,6 +77,21 @@ FAILING_LIFESPAN_APP = textwrap.dedent('''
 ''')
 
 
+RAISING_LIFESPAN_APP = textwrap.dedent('''
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            await receive()
+            raise RuntimeError("weights missing: /models/x.safetensors")
+''')
+
+NO_LIFESPAN_APP = textwrap.dedent('''
+    async def app(scope, receive, send):
+        assert scope["type"] == "http", "no lifespan here"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+''')
+
+
 class FakeSupervisor:
     """Listener + ROUTER, like the real supervisor holds them."""
 
@@ -438,6 +453,22 @@ def test_lifespan_startup_failure_is_a_boot_failure(sup: FakeSupervisor) -> None
     _, bye = sup.expect(Goodbye, pid=proc.pid)
     assert bye.reason == "lifespan startup failed: boom: no model"
     assert proc.wait(10) == 3
+
+
+
+def test_lifespan_raising_after_startup_is_a_startup_failure(sup: FakeSupervisor) -> None:
+    """Issue 31: a plain ASGI app that received lifespan.startup and raised is not "lifespan unsupported"."""
+    app_dir = write_app(sup, "raiselife", RAISING_LIFESPAN_APP)
+    proc = sup.spawn(app="raiselife:app", app_dir=app_dir)
+    _, bye = sup.expect(Goodbye, pid=proc.pid)
+    assert bye.reason == "lifespan startup failed: RuntimeError: weights missing: /models/x.safetensors"
+    assert proc.wait(10) == 3
+
+
+def test_an_app_raising_before_it_received_anything_still_means_no_lifespan(sup: FakeSupervisor) -> None:
+    app_dir = write_app(sup, "nolife", NO_LIFESPAN_APP)
+    proc = sup.spawn(app="nolife:app", app_dir=app_dir)
+    sup.expect(Ready, pid=proc.pid)      # uvicorn's rule kept: it serves
 
 
 @pytest.mark.parametrize("http", ["auto", "h11"])

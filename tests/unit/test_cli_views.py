@@ -121,3 +121,13 @@ def test_status_and_top_show_the_local_memory_share_and_threads_off_node() -> No
     row = view.rows()[0]
     assert row["local_ratio"] == 0.7234 and row["threads_off_node"] == 2
     assert "72.3%" in "\n".join(view.lines(200))
+
+
+def test_a_loading_slot_shows_elapsed_time_and_the_apps_progress() -> None:
+    from numaserve.cli.ops_cmd import _state
+
+    assert _state({"state": "loading", "loading": {"elapsed_s": 42.3, "fraction": 0.35, "note": "layer 12/32"}}) \
+        == "loading 42s 35% layer 12/32"
+    assert _state({"state": "loading", "loading": {"elapsed_s": 600, "fraction": None, "note": None}}) \
+        == "loading 10m"
+    assert _state({"state": "ready", "loading": None}) == "ready"

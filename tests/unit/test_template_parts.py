@@ -459,3 +459,74 @@ def test_replace_environ_reaches_the_c_environment_of_a_forked_child() -> None:
         os.waitpid(pid, 0)
         os.environ.pop("NS_TEST_DROP", None)
     assert got == b"ok", got
+
+
+class _AlivePopen:
+    """A template process that never answers; ``kill`` ends it (as SIGKILL would)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
+def _loading_template(pid: int) -> object:
+    from numaserve.supervisor.templates import STARTING, TemplateProc
+
+    return TemplateProc(node=0, generation=1, popen=_AlivePopen(pid), sock=None, env={},  # type: ignore[arg-type]
+                        mempolicy="bind", memory_nodes=(0,), cpus=(0,), started=__import__("time").monotonic(),
+                        state=STARTING)
+
+
+def test_a_template_past_the_operators_deadline_is_killed_with_the_key_named_and_no_task_left() -> None:
+    """Issue 31: the template wait leaves no asyncio task pending ("Task was destroyed but it is
+    pending!") and a deadline, when one is set, is named in the reason."""
+    import asyncio
+    import os
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from numaserve.config import Config
+    from numaserve.supervisor.templates import TemplateManager
+
+    cfg = msgspec.structs.replace(Config(), supervisor=msgspec.structs.replace(
+        Config().supervisor, ready_timeout=0.3, heartbeat_timeout=1000.0))
+    tm = TemplateManager(SimpleNamespace(stopping=False))
+    t = _loading_template(os.getpid())
+
+    async def go() -> list[object]:
+        await tm._wait_ready([t], cfg)
+        return [x for x in asyncio.all_tasks() if x is not asyncio.current_task()]
+
+    assert asyncio.run(go()) == []
+    assert t.popen.returncode == -9  # type: ignore[attr-defined]
+    why = t.killed_for  # type: ignore[attr-defined]
+    assert why.startswith("supervisor.ready_timeout = 0.3 exceeded while loading (elapsed ")
+    assert why.endswith(" s); raise it or set 0 for none")
+
+
+def test_a_loading_template_is_waited_for_without_a_deadline_until_the_supervisor_stops() -> None:
+    import asyncio
+    import os
+    from types import SimpleNamespace
+
+    from numaserve.config import Config
+    from numaserve.supervisor.templates import TemplateManager
+
+    sup = SimpleNamespace(stopping=False)
+    tm = TemplateManager(sup)
+    t = _loading_template(os.getpid())   # this process: its CPU time moves, so it is alive and loading
+
+    async def go() -> None:
+        asyncio.get_running_loop().call_later(1.2, lambda: setattr(sup, "stopping", True))
+        await tm._wait_ready([t], Config())
+
+    asyncio.run(go())
+    assert t.popen.returncode is None and t.killed_for is None  # type: ignore[attr-defined]
+    assert t.load is not None and t.load.sample is not None      # type: ignore[attr-defined]

@@ -27,10 +27,7 @@ from numaserve.apps.model.network import Network
 from numaserve.apps.model.tokenizer import Tokenizer
 from numaserve.apps.model.weights import Weights, WeightsError, load_weights
 
-try:
-    from numaserve import report_progress  # type: ignore[attr-defined]
-except ImportError:
-    report_progress = None
+from numaserve.progress import report_progress
 
 __all__ = ["MODEL_ENV", "VERIFY_ENV", "Model", "current", "load", "loaded", "run", "slot_threads"]
 
@@ -55,8 +52,7 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None   # (pid that made it, pool)
 
 
 def _progress(fraction: float, note: str) -> None:
-    if report_progress is not None:
-        report_progress(fraction, note)
+    report_progress(fraction, note)   # a no-op outside a loading numaserve process
 
 
 def model_id(path: str) -> str:

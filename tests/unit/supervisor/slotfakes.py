@@ -65,9 +65,11 @@ class FakeSlots:
         self.exit_on_stop = exit_on_stop
         self.fail_spawn: str | None = None
         self.depth = 0
+        self.samples: dict[int, Any] = {}   # pid -> loadwatch.ProcSample the watchdog reads (none: gone)
         self.life = Lifecycle(self.cfg, self._slots, self.policy, spawn_worker=self._spawn, wake=self.wake,
                               started=0.0, send_signal=lambda pid, sig: self.signals.append((pid, sig)),
-                              oom_count=lambda: 0, frozen=lambda pid: False)
+                              oom_count=lambda: 0, frozen=lambda pid: False,
+                              sample=self.samples.get, cgroup_of=lambda pid: None)
 
     # the test's side ------------------------------------------------------
 

@@ -31,11 +31,27 @@ def test_exit_codes_while_serving_are_crashes_even_zero():
     assert verdict(0).kind == X.CRASH and "status 0" in verdict(0).why
 
 
-def test_anything_before_ready_is_a_boot_failure_even_a_sigkill():
-    # an OOM kill while the model loads is the slot's own problem: it will repeat
-    for code in (3, 1, -signal.SIGKILL, -signal.SIGSEGV):
+def test_the_apps_own_death_before_ready_is_a_boot_failure():
+    for code in (3, 1, 0, -signal.SIGSEGV, -signal.SIGABRT):
         v = verdict(code, ready=False)
-        assert v.kind == X.BOOT and v.counted
+        assert v.kind == X.BOOT and v.counted, code
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_a_kill_from_outside_while_loading_is_external_not_a_boot_failure(sig):
+    # an OOM kill or an operator's kill -9 during a model load is retried at once, never a crash loop
+    v = verdict(-sig, ready=False)
+    assert v.kind == X.EXTERNAL and not v.counted and "while loading" in v.why and sig.name in v.why
+
+
+def test_oom_kill_while_loading_says_so():
+    v = X.classify_exit(code=-signal.SIGKILL, was_ready=False, we_stopped=False, we_killed=False, oom_killed=True)
+    assert v.kind == X.EXTERNAL and "OOM-killed" in v.why
+
+
+def test_graceful_sigterm_from_outside_while_loading_is_external():
+    v = verdict(0, ready=False, goodbye="stopped: SIGTERM")
+    assert v.kind == X.EXTERNAL and "SIGTERM" in v.why
 
 
 def test_we_stopped_it_is_expected():
@@ -47,8 +63,9 @@ def test_watchdog_kill_is_a_hang_unless_frozen_from_outside():
     assert verdict(-signal.SIGKILL, killed=True).kind == X.HANG
     v = verdict(-signal.SIGKILL, killed=True, frozen=True)
     assert v.kind == X.EXTERNAL and not v.counted and "SIGSTOP" in v.why
-    # frozen before it was ever ready: still the slot's boot that did not finish
-    assert verdict(-signal.SIGKILL, ready=False, killed=True, frozen=True).kind == X.HANG
+    # frozen (SIGSTOP) while loading: not the app's fault either
+    assert verdict(-signal.SIGKILL, ready=False, killed=True, frozen=True).kind == X.EXTERNAL
+    assert verdict(-signal.SIGKILL, ready=False, killed=True).kind == X.HANG
 
 
 def test_graceful_sigterm_goodbye_from_outside_is_external():

@@ -141,7 +141,8 @@ def test_an_asked_stop_is_expected_not_restarted() -> None:
 
 
 def test_watchdog_ready_timeout_sends_sigabrt_then_sigkill() -> None:
-    cfg = Config()
+    cfg = msgspec.structs.replace(Config(), supervisor=msgspec.structs.replace(
+        Config().supervisor, ready_timeout=60.0, heartbeat_timeout=1000.0))
     f = started(1, cfg=cfg)
     w = f.slots[0].worker
     w.hello = w.last_beat = None              # booting: no Hello yet, so no heartbeat to miss
@@ -149,7 +150,9 @@ def test_watchdog_ready_timeout_sends_sigabrt_then_sigkill() -> None:
     f.life.watchdog(sup.ready_timeout - 1)
     assert f.signals == []
     f.life.watchdog(sup.ready_timeout + 0.1)
-    assert f.signals == [(w.pid, signal.SIGABRT)] and "not ready within" in (w.kill_reason or "")
+    assert f.signals == [(w.pid, signal.SIGABRT)]
+    assert w.kill_reason == ("supervisor.ready_timeout = 60 exceeded while loading (elapsed 60 s); "
+                             "raise it or set 0 for none")
     f.life.watchdog(sup.ready_timeout + 0.1 + sup.abort_grace)
     assert f.signals[-1] == (w.pid, signal.SIGKILL) and w.kill_sent is not None
     f.exit(w, -signal.SIGKILL, now=sup.ready_timeout + sup.abort_grace + 1)
@@ -187,3 +190,128 @@ def test_describe_exit_names_signals_and_launcher_codes() -> None:
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL (out of memory?)"
     assert describe_exit(127) == "exit 127 (command not found)"
     assert describe_exit(None) == "running"
+
+
+# ---------------------------------------------------------------- loading (issue 31)
+
+def _loading_cfg(**kw: float) -> Config:
+    return msgspec.structs.replace(Config(), supervisor=msgspec.structs.replace(
+        Config().supervisor, heartbeat_interval=1.0, heartbeat_timeout=10.0, **kw))
+
+
+def _sample(cpu: int, state: str = "R") -> object:
+    from numaserve.supervisor.loadwatch import ProcSample
+
+    return ProcSample(state=state, cpu_ticks=cpu, faults=0, rss_bytes=1 << 20, io_bytes=0)
+
+
+def test_default_config_has_no_loading_deadline() -> None:
+    assert Config().supervisor.ready_timeout == 0
+
+
+def test_a_loading_worker_whose_cpu_time_moves_is_not_killed_without_heartbeats() -> None:
+    f = started(1, cfg=_loading_cfg())
+    slot = f.slots[0]
+    w = slot.worker
+    for t in range(0, 600, 5):                 # ten minutes holding the GIL: no beat, CPU moving
+        f.samples[w.pid] = _sample(cpu=t)
+        f.life.watchdog(float(t))
+    assert f.signals == [] and w.kill_reason is None
+    assert slot.status(600.0)["state"] == S.LOADING and slot.status(600.0)["loading"]["elapsed_s"] == 600.0
+
+
+def test_a_loading_worker_with_no_sign_of_life_is_killed_as_stalled() -> None:
+    f = started(1, cfg=_loading_cfg())
+    w = f.slots[0].worker
+    f.samples[w.pid] = _sample(cpu=7, state="D")
+    for t in (1.0, 5.0, 10.0):
+        f.life.watchdog(t)
+    assert f.signals == []
+    f.life.watchdog(10.5)
+    assert f.signals == [(w.pid, signal.SIGABRT)]
+    assert "stalled while loading" in w.kill_reason and "supervisor.heartbeat_timeout = 10" in w.kill_reason
+    assert "state D" in w.kill_reason
+
+
+def test_a_sigstopped_loading_worker_is_killed_and_retried_at_once() -> None:
+    f = started(1, cfg=_loading_cfg())
+    slot = f.slots[0]
+    w = slot.worker
+    f.samples[w.pid] = _sample(cpu=3, state="T")
+    f.life.frozen = lambda pid: True
+    f.life.watchdog(1.0)
+    f.life.watchdog(11.0)
+    assert f.signals == [(w.pid, signal.SIGABRT)] and w.kill_reason.startswith("frozen from outside (SIGSTOP)")
+    f.exit(w, -signal.SIGKILL, now=12.0)
+    assert slot.last_exit_kind == X.EXTERNAL and slot.state == S.BACKOFF and slot.next_start == 12.0
+
+
+def test_sigkill_from_outside_while_loading_six_times_is_retried_never_failed_even_at_first_start() -> None:
+    f = started(1)                             # nothing ever served; loop_limit 3
+    slot = f.slots[0]
+    for i in range(6):
+        now = 1.0 + i
+        if slot.worker is None:
+            f.life.restart_due(slot.next_start)
+        f.exit(slot.worker, -signal.SIGKILL, now=now)
+        f.life.check_boot_failure()
+        assert slot.state == S.BACKOFF and slot.last_exit_kind == X.EXTERNAL, i
+        assert slot.next_start - now <= f.policy.maximum * (1 + f.policy.jitter)   # capped, not failed_retry
+    assert f.life.fatal is None and f.life.exit_code == 0
+    assert f.life.readiness(7.0, "starting") == "failed"      # every slot down: loudly failed, still retrying
+    f.life.restart_due(slot.next_start)
+    f.life.on_ready(slot, slot.worker, slot.next_start + 1)
+    assert f.life.readiness(slot.next_start + 1, "failed") == "running"
+
+
+def test_all_slots_down_is_failed_then_degraded_when_one_is_back() -> None:
+    f = started(2)
+    ready(f)
+    for slot in f.slots.values():
+        f.exit(slot.worker, -signal.SIGKILL, now=5.0)
+    assert f.life.readiness(5.0, "running") == "failed"
+    s0 = f.slots[0]
+    f.life.restart_due(s0.next_start)
+    assert f.life.readiness(5.1, "failed") == "failed"         # loading again is not serving
+    f.life.on_ready(s0, s0.worker, 6.0)
+    assert f.life.readiness(6.0, "failed") == "degraded"
+
+
+def test_the_apps_own_boot_failure_at_first_start_still_exits_3() -> None:
+    f = started(1)
+    f.exit(f.slots[0].worker, WORKER_EXIT_APP_LOAD, now=1.0)
+    f.life.check_boot_failure()
+    assert f.life.exit_code == EXIT_NO_SLOT
+
+
+def test_an_oom_kill_while_loading_is_named_with_the_cgroup_limit_and_peak_rss(tmp_path) -> None:
+    from numaserve.supervisor.loadwatch import ProcSample
+
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 0\noom_group_kill 0\n")
+    (cg / "memory.max").write_text("536870912\n")
+    f = FakeSlots(1, auto_ready=False)
+    f.life.cgroup_of = lambda pid: str(cg)
+    slot = f.slots[0]
+    f.life.start_worker(slot, 0.0)
+    w = slot.worker
+    assert w.cgroup == str(cg) and w.oom_base == 0
+    f.samples[w.pid] = ProcSample(state="R", cpu_ticks=1, faults=1, rss_bytes=500 << 20, io_bytes=1)
+    f.life.watchdog(1.0)
+    (cg / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\noom_group_kill 0\n")
+    f.exit(w, -signal.SIGKILL, now=2.0)
+    assert slot.last_exit_kind == X.EXTERNAL and slot.state == S.BACKOFF
+    assert slot.last_restart_reason == (f"killed by SIGKILL: OOM-killed (memory.events oom_kill "
+                                        f"0 -> 1 in {cg}; memory.max 536870912; peak RSS seen 500 MiB)")
+
+
+def test_cgroup_helpers_read_v2_files_and_say_none_otherwise(tmp_path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("0::/system.slice/numaserve.service\n")
+    assert X.cgroup_dir(7, proc=str(proc), root="/sys/fs/cgroup") == "/sys/fs/cgroup/system.slice/numaserve.service"
+    (proc / "7" / "cgroup").write_text("12:memory:/x\n")       # cgroup v1: no unified line
+    assert X.cgroup_dir(7, proc=str(proc)) is None
+    assert X.cgroup_dir(8, proc=str(proc)) is None
+    assert X.cgroup_oom_kills(str(tmp_path / "none")) is None and X.cgroup_memory_max(str(tmp_path)) is None

@@ -80,3 +80,44 @@ def test_no_reload_notifications_before_the_first_ready(tmp_path):
     except socket.timeout:
         got = b""
     assert got == b""
+
+
+def test_a_live_load_extends_systemds_start_timeout_until_ready(tmp_path):
+    s, path = _sock(tmp_path)
+    n = Notifier({"NOTIFY_SOCKET": path})
+    n.created = 60.0
+    assert n.extend_start(100.0) is False            # a short start needs no message
+    assert n.extend_start(105.0) is True
+    assert s.recv(4096) == b"EXTEND_TIMEOUT_USEC=60000000"
+    assert n.extend_start(110.0) is False            # at most every EXTEND_EVERY_S
+    assert n.extend_start(115.0) is True
+    s.recv(4096)
+    n.ready("running")
+    s.recv(4096)
+    assert n.extend_start(200.0) is False            # started: nothing left to extend
+
+
+def test_status_line_shows_each_loading_slot_with_its_progress():
+    import time
+
+    from numaserve.bind.placement import SlotPlan
+    from numaserve.supervisor import slots as S
+    from numaserve.supervisor.backoff import RestartPolicy, RestartState
+    from numaserve.supervisor.loadwatch import LoadProgress
+    from numaserve.supervisor.notify import status_line
+
+    slot = S.SlotState(plan=SlotPlan(slot=0, node=0, index=0, cpus=(0,), mempolicy="bind", memory_nodes=(0,)),
+                       restart=RestartState(RestartPolicy()))
+    w = S.WorkerProc(generation=1, popen=None, started=time.monotonic() - 42)  # type: ignore[arg-type]
+    w.load = LoadProgress.begin(w.started)
+    w.load.report(time.monotonic(), w.started + 40, 0.35, "layer 12/32")
+    slot.worker = w
+    assert status_line("starting", [slot]) == "starting: node0 0/1 ready (loading); slot 0 loading 40s 35% layer 12/32"
+
+
+def test_a_status_line_nobody_reads_never_stalls_the_supervisor(tmp_path):
+    s, path = _sock(tmp_path)            # bound, never read: its queue fills
+    n = Notifier({"NOTIFY_SOCKET": path})
+    sent = sum(n.send(STATUS=f"line {i}", wait=False) for i in range(500))
+    assert 0 < sent < 500                # the rest dropped, not waited for
+    n.status("and this returns too")
