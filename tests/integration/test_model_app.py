@@ -162,3 +162,27 @@ def test_missing_weights_file_exit_3(tmp_path: Path) -> None:
         assert rc == 3 and f"model weights {gone}: no such file" in err, err[-3000:]
     finally:
         sup.close()
+
+
+def test_a_slowed_model_load_longer_than_the_heartbeat_timeout_serves_without_a_kill(weights: Path) -> None:
+    """The template sleeps 8 s before loading the weights (heartbeat_timeout 3 s, no ready deadline): the
+    slots say ``loading`` meanwhile, nothing is killed, then both workers serve the model."""
+    from tests.integration.harness import FAST_CONFIG
+
+    assert "ready_timeout = 30.0" in FAST_CONFIG
+    config = FAST_CONFIG.replace("ready_timeout = 30.0", "ready_timeout = 0")
+    args = ["--nodes", "0", "--bind", "127.0.0.1:0", "--workers-per-node", "2", "--app", "slowmodel:app",
+            "--preload", "slowmodel:load"]
+    with Running(args, config=config, env={"NUMASERVE_MODEL": str(weights), "SLOWMODEL_S": "8"},
+                 expect_ready=False) as sup:
+        seen = sup.wait_for(lambda s: s["slots"] and any(x["state"] == "loading" for x in s["slots"]), 60,
+                            "a slot reported loading")
+        assert all(x["state"] in ("loading", "starting") for x in seen["slots"]), seen["slots"]
+        st = sup.wait_ready(120)
+        assert all(x["restarts"] == 0 for x in st["slots"]), st["slots"]
+        assert all((x["start"] or {}).get("mode") == "fork" for x in st["slots"]), st["slots"]
+        r = httpx.post(f"http://127.0.0.1:{sup.port}/v1/completions",
+                       json={"model": "ref", "prompt": "a slow load", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        events = [e.get("event") for e in sup.events()]
+        assert not {"hang", "kill", "template_hung", "zygote_hung"} & set(events), events
