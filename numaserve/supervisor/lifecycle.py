@@ -31,7 +31,7 @@ from numaserve.supervisor import exits as X
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy
 from numaserve.supervisor.leakwatch import read_statm_rss
-from numaserve.supervisor.loadwatch import LoadProgress, ProcSample, load_verdict, read_sample
+from numaserve.supervisor.loadwatch import LoadProgress, ProcSample, load_verdict, read_sample, read_tree_sample
 from numaserve.progress import read_progress
 
 log = structlog.get_logger("numaserve.supervisor")
@@ -94,6 +94,7 @@ class Lifecycle:
         oom_count: Callable[[], int | None] = X.oom_kill_count,
         frozen: Callable[[int], bool] = process_frozen,
         sample: Callable[[int], ProcSample | None] = read_sample,
+        tree_sample: Callable[[int], ProcSample | None] = read_tree_sample,
         cgroup_of: Callable[[int], str | None] = X.cgroup_dir,
     ) -> None:
         self.cfg = cfg
@@ -108,6 +109,7 @@ class Lifecycle:
         self.oom_count = oom_count
         self.frozen = frozen
         self.sample = sample
+        self.tree_sample = tree_sample
         self.cgroup_of = cgroup_of
         self.stopping = False
         self.forced_kills = False
@@ -326,11 +328,14 @@ class Lifecycle:
                 reason = None
                 if w.ready is None and not w.external:
                     reason = self.loading_verdict(slot, w, now)
-                elif w.ready is None:   # --cmd: no beats to judge a load by, only the operator's deadline
-                    if sup.ready_timeout > 0 and now - w.started > sup.ready_timeout:
-                        reason = f"not ready within {sup.ready_timeout:g}s (supervisor.ready_timeout)"
-                        if w.probe_note:
-                            reason += f" (last probe: {w.probe_note})"
+                elif w.ready is None:   # --cmd: no beats; the operator's deadline, else its process tree
+                    if sup.ready_timeout > 0:
+                        if now - w.started > sup.ready_timeout:
+                            reason = f"not ready within {sup.ready_timeout:g}s (supervisor.ready_timeout)"
+                    else:   # no deadline: a command whose processes all stand still never becomes ready
+                        reason = self.loading_verdict(slot, w, now, tree=True)
+                    if reason and w.probe_note:
+                        reason += f" (last probe: {w.probe_note})"
                 elif not w.external and w.last_beat is not None and now - w.last_beat > sup.heartbeat_timeout:
                     reason = f"hung: no heartbeat for {now - w.last_beat:.1f}s (timeout {sup.heartbeat_timeout:g}s)"
                 if reason:
@@ -344,8 +349,10 @@ class Lifecycle:
                     # a stopped (SIGSTOP) process only dies from SIGKILL, which follows.
                     self.signal(w, signal.SIGABRT)
 
-    def loading_verdict(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> str | None:
-        """Gather a loading worker's signs of life (beats, its progress file, /proc) and judge them."""
+    def loading_verdict(self, slot: S.SlotState, w: S.WorkerProc, now: float, *, tree: bool = False) -> str | None:
+        """Gather a loading worker's signs of life (beats, its progress file, /proc) and judge them.
+
+        ``tree``: read /proc over the process and its descendants (a ``--cmd`` server)."""
         sup = self.cfg.supervisor
         if w.load is None:
             w.load = LoadProgress.begin(w.started)
@@ -356,7 +363,7 @@ class Lifecycle:
             if data is not None:
                 p.heard(now, data["beat"], "load beat")
                 p.report(now, data["at"], data["fraction"], data["note"])
-        p.observe(now, self.sample(w.pid))
+        p.observe(now, (self.tree_sample if tree else self.sample)(w.pid))
         if p.log_due(now, LOADING_LOG_S):
             log.info("loading", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
                      elapsed_s=round(now - p.started, 1), rss_bytes=p.sample.rss_bytes if p.sample else None,

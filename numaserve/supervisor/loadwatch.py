@@ -80,6 +80,52 @@ def read_sample(pid: int, proc: str = "/proc") -> ProcSample | None:
     return ProcSample(state=state, cpu_ticks=cpu, faults=faults, rss_bytes=rss_pages * _PAGE, io_bytes=io)
 
 
+
+def _children(pid: int, proc: str) -> dict[int, list[int]]:
+    """ppid -> pids, from every /proc/PID/stat (read once per sample)."""
+    kids: dict[int, list[int]] = {}
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return kids
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def read_tree_sample(pid: int, proc: str = "/proc") -> ProcSample | None:
+    """The counters of ``pid`` and all its descendants, added up (the state is ``pid``'s own).
+
+    Why: a ``--cmd`` server often loads in a child (gunicorn's workers, an engine process) while
+    the process numaserve started waits; judged alone it would look stalled.
+    """
+    root = read_sample(pid, proc)
+    if root is None:
+        return None
+    kids = _children(pid, proc)
+    cpu, faults, rss, io = root.cpu_ticks, root.faults, root.rss_bytes, root.io_bytes
+    todo, seen = list(kids.get(pid, ())), {pid}
+    while todo:
+        child = todo.pop()
+        if child in seen:
+            continue
+        seen.add(child)
+        todo.extend(kids.get(child, ()))
+        s = read_sample(child, proc)
+        if s is None:
+            continue
+        cpu, faults, rss = cpu + s.cpu_ticks, faults + s.faults, rss + s.rss_bytes
+        if io is not None and s.io_bytes is not None:
+            io += s.io_bytes
+    return ProcSample(state=root.state, cpu_ticks=cpu, faults=faults, rss_bytes=rss, io_bytes=io)
+
 @dataclass
 class LoadProgress:
     """Signs of life of one loading process (a template or a worker), and what it reported."""

@@ -69,7 +69,7 @@ class FakeSlots:
         self.life = Lifecycle(self.cfg, self._slots, self.policy, spawn_worker=self._spawn, wake=self.wake,
                               started=0.0, send_signal=lambda pid, sig: self.signals.append((pid, sig)),
                               oom_count=lambda: 0, frozen=lambda pid: False,
-                              sample=self.samples.get, cgroup_of=lambda pid: None)
+                              sample=self.samples.get, tree_sample=self.samples.get, cgroup_of=lambda pid: None)
 
     # the test's side ------------------------------------------------------
 

@@ -315,3 +315,36 @@ def test_cgroup_helpers_read_v2_files_and_say_none_otherwise(tmp_path) -> None:
     assert X.cgroup_dir(7, proc=str(proc)) is None
     assert X.cgroup_dir(8, proc=str(proc)) is None
     assert X.cgroup_oom_kills(str(tmp_path / "none")) is None and X.cgroup_memory_max(str(tmp_path)) is None
+
+
+def test_a_cmd_worker_with_no_deadline_is_judged_by_its_process_tree() -> None:
+    """``--cmd`` with ``ready_timeout = 0``: a command whose processes all stand still (``sleep 300``)
+    is killed as stalled, so a reload waiting on it ends; one whose tree moves (a model loading in a
+    child) may take as long as it needs; with a deadline set only the deadline applies."""
+    f = started(1, cfg=_loading_cfg())
+    w = f.slots[0].worker
+    w.external = True
+    f.samples[w.pid] = _sample(cpu=2, state="S")
+    for t in (1.0, 5.0, 10.0):
+        f.life.watchdog(t)
+    assert f.signals == []
+    f.life.watchdog(11.5)
+    assert f.signals == [(w.pid, signal.SIGABRT)] and "stalled while loading" in w.kill_reason
+
+    f = started(1, cfg=_loading_cfg())
+    w = f.slots[0].worker
+    w.external = True
+    for t in range(0, 300, 5):                  # the tree's CPU time moves: loading, never killed
+        f.samples[w.pid] = _sample(cpu=t)
+        f.life.watchdog(float(t))
+    assert f.signals == [] and w.kill_reason is None
+
+    f = started(1, cfg=_loading_cfg(ready_timeout=60.0))
+    w = f.slots[0].worker
+    w.external = True
+    f.samples[w.pid] = _sample(cpu=2, state="S")
+    for t in (1.0, 20.0, 59.0):
+        f.life.watchdog(t)
+    assert f.signals == []                      # standing still, but the operator's deadline rules
+    f.life.watchdog(61.0)
+    assert f.signals == [(w.pid, signal.SIGABRT)] and "supervisor.ready_timeout" in w.kill_reason

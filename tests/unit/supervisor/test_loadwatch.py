@@ -93,3 +93,25 @@ def test_read_sample_of_this_process_and_of_a_gone_one() -> None:
     s = read_sample(os.getpid())
     assert s is not None and s.state in ("R", "S") and s.rss_bytes > 0 and s.cpu_ticks >= 0
     assert read_sample(2 ** 22 + 12345) is None
+
+
+def test_a_tree_sample_adds_up_the_process_and_all_its_descendants(tmp_path) -> None:
+    from numaserve.supervisor.loadwatch import read_tree_sample
+
+    def proc(pid: int, ppid: int, state: str, cpu: int, rchar: int) -> None:
+        d = tmp_path / str(pid)
+        d.mkdir()
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ... rss(24)
+        fields = [state, str(ppid)] + ["0"] * 5 + ["1", "0", "0", "0", str(cpu), "0"] + ["0"] * 8 + ["10"]
+        (d / "stat").write_text(f"{pid} (x y) " + " ".join(fields) + "\n")
+        (d / "io").write_text(f"rchar: {rchar}\nread_bytes: 0\n")
+
+    proc(10, 1, "S", 5, 100)      # the command numaserve started, waiting
+    proc(11, 10, "R", 50, 1000)   # its child, loading
+    proc(12, 11, "D", 7, 10)      # a grandchild
+    proc(13, 1, "R", 999, 5)      # not in the tree
+    (tmp_path / "self").mkdir()
+    s = read_tree_sample(10, str(tmp_path))
+    assert s is not None and s.state == "S"
+    assert s.cpu_ticks == 62 and s.io_bytes == 1110 and s.faults == 3
+    assert read_tree_sample(99, str(tmp_path)) is None
