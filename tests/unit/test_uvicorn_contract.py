@@ -74,33 +74,25 @@ def test_the_methods_numaserve_means_to_override_are_still_uvicorns(which: str) 
     assert not stale, f"numaserve's {ours.__name__} no longer overrides {stale}: update INTENDED"
 
 
-def _attributes_read(cls: type) -> set[str]:
-    """``self.NAME`` loads in the class's own methods."""
+def _self_attributes(cls: type, ctx: type[ast.expr_context]) -> set[str]:
+    """``self.NAME`` loads (``ast.Load``) or stores (``ast.Store``) in the class's own methods."""
     names: set[str] = set()
     for fn in _own_methods(cls).values():
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         except (OSError, TypeError):
             continue
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "self" and isinstance(node.ctx, ast.Load)):
-                names.add(node.attr)
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                  and n.value.id == "self" and isinstance(n.ctx, ctx)}
     return names
+
+
+def _attributes_read(cls: type) -> set[str]:
+    return _self_attributes(cls, ast.Load)
 
 
 def _attributes_set(cls: type) -> set[str]:
-    names: set[str] = set()
-    for fn in _own_methods(cls).values():
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-        except (OSError, TypeError):
-            continue
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "self" and isinstance(node.ctx, ast.Store)):
-                names.add(node.attr)
-    return names
+    return _self_attributes(cls, ast.Store)
 
 
 def test_every_uvicorn_attribute_the_protocol_reads_is_set_by_uvicorn() -> None:
