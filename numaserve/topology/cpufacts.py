@@ -14,7 +14,7 @@ import re
 from numaserve.cpulist import ListSyntaxError, parse_list
 from numaserve.topology.cpus import CPU_DIR
 from numaserve.topology.model import CpuFacts
-from numaserve.topology.sysfs import Root, Unknowns, read_cpus, read_int
+from numaserve.topology.sysfs import Root, Unknowns, read_cpus, read_int, read_list
 
 __all__ = ["read_cpu_facts", "cmdline_cpus", "l3_groups"]
 
@@ -44,16 +44,6 @@ def cmdline_cpus(cmdline: str, param: str) -> tuple[int, ...]:
     return found
 
 
-def _list(fs: Root, rel: str) -> tuple[int, ...] | None:
-    text = fs.read(rel)
-    if text is None:
-        return None
-    try:
-        return parse_list(text)
-    except ListSyntaxError:
-        return None
-
-
 def l3_groups(fs: Root, cpus: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
     """CPU → the CPUs sharing its level-3 cache (``cache/index*/level`` = 3,
     ``shared_cpu_list``); CPUs without an L3 entry are left out."""
@@ -72,12 +62,12 @@ def l3_groups(fs: Root, cpus: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
 
 def read_cpu_facts(fs: Root, online: tuple[int, ...], unknowns: Unknowns) -> CpuFacts:
     """Offline, isolated and nohz_full CPUs, each CPU's socket and L3 group."""
-    present = _list(fs, f"{CPU_DIR}/present")
+    present = read_list(fs, f"{CPU_DIR}/present")
     online_set = set(online)
     offline = tuple(c for c in present if c not in online_set) if present is not None else ()
     cmdline = fs.read("proc/cmdline") or ""
-    isolated = set(_list(fs, f"{CPU_DIR}/isolated") or ()) | set(cmdline_cpus(cmdline, "isolcpus"))
-    nohz = set(_list(fs, f"{CPU_DIR}/nohz_full") or ()) | set(cmdline_cpus(cmdline, "nohz_full"))
+    isolated = set(read_list(fs, f"{CPU_DIR}/isolated") or ()) | set(cmdline_cpus(cmdline, "isolcpus"))
+    nohz = set(read_list(fs, f"{CPU_DIR}/nohz_full") or ()) | set(cmdline_cpus(cmdline, "nohz_full"))
     packages: dict[int, int] = {}
     missing = 0
     for c in online:

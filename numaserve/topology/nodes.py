@@ -13,9 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from numaserve.cpulist import ListSyntaxError, parse_list
 from numaserve.topology.model import HugePages, Node
-from numaserve.topology.sysfs import Root, Unknowns, read_cpus, read_int
+from numaserve.topology.sysfs import Root, Unknowns, read_cpus, read_int, read_list
 
 __all__ = ["NODE_DIR", "NodeScan", "discover_nodes", "parse_meminfo", "hugepages_in"]
 
@@ -60,16 +59,6 @@ def hugepages_in(fs: Root, rel_dir: str) -> tuple[HugePages, ...]:
     return tuple(sorted(pools, key=lambda h: h.size_kb))
 
 
-def _read_list_file(fs: Root, rel: str) -> tuple[int, ...] | None:
-    text = fs.read(rel)
-    if text is None:
-        return None
-    try:
-        return parse_list(text)
-    except ListSyntaxError:
-        return None
-
-
 def _memory(fs: Root, rel: str, what: str, unknowns: Unknowns) -> tuple[int | None, int | None]:
     text = fs.read(rel)
     if text is None:
@@ -109,11 +98,11 @@ def discover_nodes(fs: Root, online_cpus: tuple[int, ...] | None, unknowns: Unkn
     if not ids:
         return _synthesize(fs, online_cpus, unknowns)
     online_set = set(online_cpus) if online_cpus is not None else None
-    online_nodes = _read_list_file(fs, f"{NODE_DIR}/online")
+    online_nodes = read_list(fs, f"{NODE_DIR}/online")
     # an empty has_cpu/has_memory contradicts any real machine (seen in edited dumps): ignore it
-    has_cpu = _read_list_file(fs, f"{NODE_DIR}/has_cpu") or None
-    has_memory = _read_list_file(fs, f"{NODE_DIR}/has_memory") or None
-    possible = _read_list_file(fs, f"{NODE_DIR}/possible")
+    has_cpu = read_list(fs, f"{NODE_DIR}/has_cpu") or None
+    has_memory = read_list(fs, f"{NODE_DIR}/has_memory") or None
+    possible = read_list(fs, f"{NODE_DIR}/possible")
     if possible is None:
         unknowns.add("possible nodes", f"{NODE_DIR}/possible: missing or garbage; using the node directories")
         possible = tuple(ids)

@@ -132,6 +132,17 @@ def read_int(fs: Root, rel: str) -> int | None:
         return None
 
 
+def read_list(fs: Root, rel: str) -> tuple[int, ...] | None:
+    """A cpulist-format file (``0-3,8``) as a tuple; None when missing or malformed."""
+    text = fs.read(rel)
+    if text is None:
+        return None
+    try:
+        return parse_list(text)
+    except ListSyntaxError:
+        return None
+
+
 def read_cpus(
     fs: Root, list_rel: str | None, mask_rel: str | None, what: str, unknowns: Unknowns | None
 ) -> tuple[int, ...] | None:
