@@ -25,6 +25,7 @@ from typing import Any, Literal, Mapping
 import msgspec
 
 from numaserve.errors import ConfigError
+from numaserve.retiredkeys import retired
 from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.leak import LeakSettings
@@ -523,6 +524,8 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
     for section, body in raw.items():
         if section not in SECTIONS:
             src = next((v for (s, _), v in origin.items() if s == section), "config")
+            if retired(section) is not None:
+                raise ConfigError(f"{src}: section [{section}] was removed: {retired(section)}")
             raise ConfigError(
                 f"{src}: unknown section [{section}]{did_you_mean(section, SECTIONS)}: "
                 f"expected one of {', '.join(sorted(SECTIONS))}"
@@ -535,6 +538,8 @@ def _convert(raw: dict[str, Any], origin: Mapping[tuple[str, str], str]) -> Conf
         for key in body:
             if key not in fields:
                 src = origin.get((section, key), "config")
+                if retired(section, key) is not None:
+                    raise ConfigError(f"{src}: {section}.{key} was removed: {retired(section, key)}")
                 raise ConfigError(
                     f"{src}: unknown key {section}.{key} = {_toml_value(body[key])}{did_you_mean(key, fields)}: "
                     f"expected one of {', '.join(sorted(fields))}"
@@ -623,6 +628,8 @@ def _env_overrides(environ: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]
             if rest.startswith(section + "_"):
                 key = rest[len(section) + 1:]
                 if key not in _field_types(section):
+                    if retired(section, key) is not None:
+                        raise ConfigError(f"environment {name}: {section}.{key} was removed: {retired(section, key)}")
                     raise ConfigError(
                         f"environment {name}: unknown key {section}.{key} = {_toml_value(text)}"
                         f"{did_you_mean(key, _field_types(section))}: expected one of "

@@ -297,3 +297,16 @@ def test_tcp_endpoint_must_parse(tmp_path: Path) -> None:
         load_config(p, environ={})
     p = write(tmp_path, '[ops]\ntcp_endpoint = "tcp://*:7071"\ncurve_secret_key = "a"\ncurve_authorized_keys = "b"\n')
     assert load_config(p, environ={}).ops.tcp_endpoint == "tcp://*:7071"
+
+
+def test_a_retired_key_or_section_says_why_and_what_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from numaserve import retiredkeys
+
+    monkeypatch.setattr(retiredkeys, "RETIRED", {"server.old_knob": "set server.backlog instead",
+                                                 "oldtable": "its limiter was removed"})
+    with pytest.raises(ConfigError, match=r"numaserve.toml.*server\.old_knob was removed: set server\.backlog instead"):
+        load(write(tmp_path, "[server]\nold_knob = 3\n"))
+    with pytest.raises(ConfigError, match=r"section \[oldtable\] was removed: its limiter was removed"):
+        load(write(tmp_path, "[oldtable]\nx = 1\n"))
+    with pytest.raises(ConfigError, match=r"NUMASERVE_SERVER_OLD_KNOB: server\.old_knob was removed"):
+        load(None, env={"NUMASERVE_SERVER_OLD_KNOB": "3"})
