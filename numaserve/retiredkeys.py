@@ -7,7 +7,11 @@ the reason and the replacement instead of a bare "unknown key".  Entries are
 
 from __future__ import annotations
 
-RETIRED: dict[str, str] = {}
+RETIRED: dict[str, str] = {
+    # issue 32: one out-of-loop actuator (the worker's sentinel thread), the supervisor's door is gone
+    "admission.supervisor_shed": "removed: the worker's sentinel answers 503 from the accept queue while a "
+                                 "handler blocks the loop ([admission] sentinel); delete the key",
+}
 
 
 def retired(section: str, key: str | None = None) -> str | None:

@@ -86,8 +86,6 @@ class AdmissionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     stall_after_s: float = 0.002         # stalled: the probe is this late (while short of CPU) ...
     stall_idle_after_s: float = 1.0      # ... or this late otherwise (a cold start, a GC pause: not overload)
     stall_queue: int = 1                 # connections left waiting in the accept queue during a stall (at least)
-    supervisor_shed: bool = False        # the supervisor answers the excess too (numaserve.supervisor.doorshed;
-                                         # off: on 2 CPUs its thread costs ~5 % of a CPU, docs/admission.md)
     close_when_overloaded: bool = False  # Connection: close on responses while shedding (clients come back
                                          # through the accept queue, where the sentinel sees them)
     overload_hold_s: float = 1.0         # "shedding" lasts this long after the last shed

@@ -38,7 +38,6 @@ from numaserve.control.peercred import PeerCred
 from numaserve.errors import NumaserveError
 from numaserve.net.listeners import ListenerSet, accept_queue_depth, open_listeners
 from numaserve.net.unixbind import parse_mode, resolve_group
-from numaserve.supervisor.doorshed import QueueShed
 from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.topology.model import Topology
 from numaserve.runtime import (
@@ -171,7 +170,6 @@ class Supervisor:
         self.authenticator: Any = None
         self.curve_keys: Any = None               # AuthorizedKeys when ops.tcp_endpoint is set
         self.doors: list[FrontDoor] = []          # the bounded listeners in front of ops-ro and ops-tcp
-        self.queue_shed: QueueShed | None = None  # 503s from an overloaded worker's accept queue (doorshed)
         self.fdwatch: fdbudget.FdWatch | None = None
         self.fd_caps: fdbudget.CapsPlan | None = None
         self.ops_limiter = PeerRateLimiter(cfg.ops.rate_limit, cfg.ops.rate_burst)
@@ -214,7 +212,6 @@ class Supervisor:
             self.cfg.server.bind, [s.slot for s in self.plan.slots], self.cfg.server.backlog,
             unix_mode=parse_mode(self.cfg.server.unix_mode), unix_gid=resolve_group(self.cfg.server.unix_group),
         )
-        self.queue_shed = QueueShed(str(self.runtime.path), self.cfg.admission, enabled=self._queue_shed_wanted())
         self.admin_sock = open_admin_socket(self.cfg.admin)  # a taken port fails the start, before any worker
         self._apply_irqs()
         from numaserve.supervisor.cmdready import host_port_placeholders
@@ -404,18 +401,6 @@ class Supervisor:
         self.steer()
         self._rescue()
         self._check_shared_port(now)
-        if self.queue_shed is not None and not self.stopping:
-            self.queue_shed.tick(self.slots, {n: [lst.sock for lst in ls] for n, ls in self.listeners.by_slot.items()},
-                                 self.cfg.admission)
-        elif self.queue_shed is not None:
-            self.queue_shed.tick({}, {}, self.cfg.admission)
-
-    def _queue_shed_wanted(self) -> bool:
-        """The supervisor answers overload 503s only for plain-HTTP numaserve workers with the "cpu" gate."""
-        a = self.cfg.admission
-        tls = getattr(self.cfg, "tls", None)
-        return bool(a.enabled and a.limiter == "cpu" and a.supervisor_shed and not self.cfg.server.cmd
-                    and not (tls is not None and tls.enabled))
 
     def _report(self, now: float) -> None:
         self._notify(now)
@@ -499,8 +484,6 @@ class Supervisor:
                     except Exception:
                         pass
         self.templates.close()
-        if self.queue_shed is not None:
-            self.queue_shed.close()
         self.listeners.close()
         if self.admin_sock is not None:  # open() failed after binding it
             self.admin_sock.close()
@@ -543,7 +526,6 @@ class Supervisor:
             self.cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
             all_gpus=self.topology.gpus if self.topology else (),
             node_cpus=self._node_cpus(plan.node), token=token, forker=self.templates.forker(),
-            gate_page=self.queue_shed.page_for(plan.slot) if self.queue_shed is not None else "",
             progress_file=progress,
         )
         w = S.WorkerProc(generation=generation, popen=popen, started=now, external=external, env=env,
@@ -988,7 +970,6 @@ class Supervisor:
                 "runtime_dir": str(self.runtime.path),
                 "config_file": self.config_path,
                 "listeners": self.listeners.addresses(),
-                "queue_shed": self.queue_shed.status() if self.queue_shed is not None else None,
                 "accept_queue": {
                     str(slot): [accept_queue_depth(lst.sock) for lst in ls]
                     for slot, ls in self.listeners.by_slot.items()

@@ -276,13 +276,6 @@ class NumaserveCollector(Collector):
                   1.0 if ready else 0.0)
         b.count("numaserve_bad_control_messages_total", "Malformed or unexpected control/ops messages dropped",
                 [], [], _num(sup.get("bad_messages")))
-        door = sup.get("queue_shed")
-        if isinstance(door, Mapping) and isinstance(door.get("shed"), Mapping):
-            nodes = {str(x.get("slot")): str(x.get("node")) for x in snap.get("slots") or [] if isinstance(x, Mapping)}
-            for slot, n in sorted(door["shed"].items(), key=lambda kv: str(kv[0])):
-                b.count("numaserve_supervisor_shed_requests_total",
-                        "Connections the supervisor answered 503 from an overloaded worker's accept queue",
-                        SLOT_LABELS, [str(slot), nodes.get(str(slot), "")], _num(n))
         b.set("numaserve_supervisor_loop_heartbeat_age_seconds",
               "Seconds since the supervision loop last completed a tick", [], [],
               _num(sup.get("loop_heartbeat_age_s")))

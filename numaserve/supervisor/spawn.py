@@ -45,7 +45,7 @@ def _checked_tls(tls: TlsConfig) -> TlsConfig:
 
 
 def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Listener], control: str,
-                node_cpus: Iterable[int] = (), gate_page: str = "") -> WorkerSpec:
+                node_cpus: Iterable[int] = ()) -> WorkerSpec:
     s = cfg.server
     return WorkerSpec(
         node_cpus=sorted(node_cpus),
@@ -63,7 +63,6 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         heartbeat_interval=cfg.supervisor.heartbeat_interval,
         stats_interval=1.0,
         admission=cfg.admission,
-        gate_page=gate_page,
         gradient=cfg.gradient,
         framing=_section(cfg, "framing", FramingConfig),
         cache=_section(cfg, "cache", CacheConfig),
@@ -182,7 +181,6 @@ def spawn(
     node_cpus: Iterable[int] = (),
     token: str | None = None,
     forker: Callable[..., WorkerProcess | None] | None = None,
-    gate_page: str = "",
     progress_file: str = "",
 ) -> tuple[WorkerProcess, bool, dict[str, str]]:
     """Start the slot's worker; returns (process, external?, variables numaserve set).
@@ -202,7 +200,7 @@ def spawn(
         spec = None
         external = True
     else:
-        spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus, gate_page)
+        spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus)
         argv = [sys.executable, "-m", "numaserve.worker"]
         external = False
     launch = build_launch_argv(

@@ -116,7 +116,6 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopper: asyncio.Task[None] | None = None
         self._sentinel_start: Any = None  # starts the admission sentinel once serving
-        self._handback: Any = None        # the supervisor's non-HTTP connections come back here
         self._stats_in_beats = False      # set once serving (``_start_stats``)
         self._load_beat = LoadBeat(spec.heartbeat_interval)  # signs of life while the app loads
 
@@ -202,26 +201,6 @@ class Worker:
     def _post(self, msg: Any) -> None:
         if self.channel is not None:
             self.channel.post(msg)
-
-    def _open_gate_page(self, runtime: Any, path: str, loop: asyncio.AbstractEventLoop,
-                        adopt: Any) -> None:
-        """Let the supervisor answer 503 from our accept queue while we cannot (numaserve.supervisor.
-        doorshed): stamp our gate's state into its page, take back what it must not answer."""
-        from numaserve.net.gatepage import GatePage
-        from numaserve.worker.handback import HandBack, handback_path
-
-        handback = HandBack(adopt)
-        if not handback.open(loop, handback_path(path)):
-            self.log.warning("gate_page_unusable", path=path, error="hand-back socket not bound")
-            return
-        try:
-            page = GatePage(path)
-        except OSError as e:
-            handback.close(loop)
-            self.log.warning("gate_page_unusable", path=path, error=describe_exception(e))
-            return
-        self._handback = handback
-        runtime.probe.attach_page(page)
 
     def _on_started(self) -> None:
         self._load_beat.stop()
@@ -361,9 +340,6 @@ class Worker:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._load_beat.stop()
             self._stop_sentinel()
-            if self._handback is not None:   # open until now: a connection handed back while draining is served
-                self._handback.close(loop)
-                self._handback = None
             loop.remove_signal_handler(signal.SIGTERM)
         self._post(Goodbye(slot=self.spec.slot, generation=self.spec.generation, reason=reason))
         self.log.info("goodbye", reason=reason, exit_code=code)
@@ -424,8 +400,6 @@ class Worker:
 
             def start_admission_threads() -> None:
                 runtime.start_sentinel(socks, lambda sock: loop.call_soon_threadsafe(server.adopt, sock))
-                if spec.gate_page:
-                    self._open_gate_page(runtime, spec.gate_page, loop, server.adopt)
 
             self._sentinel_start = start_admission_threads
         await asyncio.sleep(0)  # let queued control messages (an early Stop) run

@@ -53,7 +53,6 @@ from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.admission import AdmissionSettings, Reject
 from numaserve.loops.cpu_gate import CpuGate
 from numaserve.net import heldsock
-from numaserve.net.gatepage import GatePage
 from numaserve.net.listeners import accept_queue_depth
 from numaserve.worker.permits import PermitWatch
 from numaserve.worker.stats import BUCKET_UPPER_MS, LatencyHistogram
@@ -132,8 +131,6 @@ class LoopProbe:
         self._cpu_at = 0.0
         self._tt = time.thread_time()
         self.lag_hist = LatencyHistogram()
-        self.page: GatePage | None = None    # the supervisor's view of this gate (numaserve.net.gatepage)
-        self._ids = (0, 0)
 
     def kick(self) -> None:
         """New work admitted: arm the probe if it was stopped (the gate chose its period)."""
@@ -164,27 +161,13 @@ class LoopProbe:
         if now - self._cpu_at >= CPU_SAMPLE_S:
             self._cpu_at = now
             gate.on_cpu(now, tt, time.process_time())
-        page = self.page
-        if page is not None:
-            pid, tid = self._ids
-            page.stamp(pid, tid, now, gate.lag.period, tt, gate.inflight, gate.waiting, gate.request_cpu_s,
-                       gate.stall_limit(now), gate.last_shed, gate.overloaded(now))
         if gate.probe_wanted():
             self._arm(now)
-
-    def attach_page(self, page: GatePage) -> None:
-        """Stamp ``page`` at every firing (call on the loop's thread: its id is stamped)."""
-        self._ids = (os.getpid(), threading.get_native_id())
-        self.page = page
 
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        page, self.page = self.page, None
-        if page is not None:   # a last stamp with nothing in flight: the supervisor no longer answers for us
-            pid, tid = self._ids
-            page.stamp(pid, tid, time.monotonic(), 0.0, 0.0, 0, 0, 0.0, 0.0, -math.inf, False)
 
 
 def runnable_tasks() -> tuple[int, int]:

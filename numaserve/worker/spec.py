@@ -29,7 +29,6 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     heartbeat_interval: float = 1.0
     stats_interval: float = 1.0
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
-    gate_page: str = ""            # the gate's shared page the supervisor reads ("": none; numaserve.net.gatepage)
     gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
     framing: FramingConfig = msgspec.field(default_factory=FramingConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)

@@ -51,13 +51,11 @@ KINDS = ("numaserve", "uvicorn", "gunicorn")
 EXTRA_KINDS = ("granian",)
 #: Named variants of a kind (``--servers`` accepts them): gunicorn's ``--preload`` (the app
 #: imported once in the master, workers forked from it); numaserve with every worker exec'd,
-#: forked, or without the supervisor's 503 door (``admission.supervisor_shed = false``).
+#: or forked.
 VARIANTS = {
     "gunicorn-preload": ("gunicorn", {"preload": True}),
     "numaserve-exec": ("numaserve", {"numaserve_toml": '\n[worker]\nstart = "exec"\n'}),
     "numaserve-fork": ("numaserve", {"numaserve_toml": '\n[worker]\nstart = "fork"\n'}),
-    # the supervisor does not answer 503s from the workers' accept queues (only their sentinels do)
-    "numaserve-nodoor": ("numaserve", {"numaserve_toml": '\n[admission]\nsupervisor_shed = false\n'}),
 }
 
 

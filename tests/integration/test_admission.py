@@ -142,17 +142,17 @@ def test_ratelimit_set_is_acknowledged_by_every_worker_and_caps_requests_in_flig
         assert statuses == [200] * 20, (statuses, gates(sup))         # back to the CPU limiter: awaits pass
 
 
-def test_the_supervisor_answers_an_overloaded_workers_queue_and_hands_frames_back() -> None:
-    """``supervisor_shed = true``, a blocking app at twice its capacity: the supervisor's door
-    (numaserve.supervisor.doorshed) answers some of the 503s itself, and framed connections that arrive meanwhile all get their reply (handed
-    back to the worker, never answered as HTTP or dropped)."""
+def test_framed_connections_get_their_reply_while_the_sentinel_sheds() -> None:
+    """A blocking app at twice its capacity: the worker's sentinel answers 503s from the accept
+    queue while the loop is stalled, and framed connections that arrive meanwhile all get their
+    reply (handed to the loop, never answered as HTTP or dropped)."""
     pytest.importorskip("fastapi")
     import threading
 
     import numaserve.tools.loadtest as lt
     from numaserve.client import FrameClient
 
-    with Running(ARGS, config=FAST_CONFIG + "[admission]\nsupervisor_shed = true\n") as sup:
+    with Running(ARGS, config=FAST_CONFIG) as sup:
         url = f"http://127.0.0.1:{sup.port}/cpu20"
         cap_run = lt.run_load(lt.LoadConfig(url, concurrency=4, duration=2.0, timeout=10.0))
         capacity = cap_run.requests / cap_run.duration_s
@@ -169,13 +169,5 @@ def test_the_supervisor_answers_an_overloaded_workers_queue_and_hands_frames_bac
         load.join()
         res = out["r"]
         assert set(res.status_counts) <= {200, 503}, res.status_counts
+        assert res.status_counts.get(503, 0) > 0, res.to_dict()
         assert frames and set(frames) <= {200, 503}, frames
-        door = sup.status()["supervisor"]["queue_shed"]
-        assert door is not None and sorted(door["targets"]) == [0, 1], door
-        assert sum(door["shed"].values()) > 0, (door, res.to_dict())
-        metrics = httpx.get(f"http://{sup.status()['supervisor']['admin']}/metrics", timeout=10).text
-        assert "numaserve_supervisor_shed_requests_total" in metrics
-    # the default: no door, no pages, no thread
-    with Running(ARGS) as sup:
-        assert sup.status()["supervisor"]["queue_shed"] is None
-        assert not list(sup.rt.glob("gate-*"))

@@ -93,7 +93,6 @@ def full_snapshot() -> dict[str, Any]:
             "config_file": None, "listeners": ["127.0.0.1:8000", "[::1]:8000"],
             "accept_queue": {"0": [3, 0], "1": [0, None], "2": [0, 0]},
             "bad_messages": 2,
-            "queue_shed": {"targets": [0, 1], "shed": {"0": 9}, "handed_back": 1, "armings": 2},
             "steering": {"mode": "numa", "healthy_slots": [0, 1], "program_attached": True, "updates": 5,
                          "errors": 0, "last_error": None, "locality_share": 0.93},
             "irq": {"applied": True, "irqs": 4, "failed": [{"irq": 40, "status": "managed"}], "warnings": [],
@@ -159,7 +158,6 @@ EXPECTED = {
     "numaserve_operations": "counter",
     "numaserve_operations_running": "gauge",
     "numaserve_bad_control_messages": "counter",
-    "numaserve_supervisor_shed_requests": "counter",
     "numaserve_build_info": "gauge",
     "numaserve_worker_loop_lag_seconds": "gauge",
     "numaserve_metrics_errors": "counter",
@@ -233,8 +231,6 @@ def test_values_from_the_snapshot() -> None:
     assert value(text, "numaserve_shed_requests_total", slot="1") == 5
     assert value(text, "numaserve_shed_requests_by_reason_total", slot="1", reason="overload") == 3
     assert value(text, "numaserve_shed_requests_total", slot="2") == 0  # admission data absent → 0
-    assert value(text, "numaserve_supervisor_shed_requests_total", slot="0", node="0") == 9
-    assert not samples(text, "numaserve_supervisor_shed_requests_total", slot="1")
     assert value(text, "numaserve_limits_epoch", slot="0") == 12
     assert not samples(text, "numaserve_limits_epoch", slot="1")       # nothing pushed yet
     assert value(text, "numaserve_limits_applied_epoch", slot="1") == 11  # from the gate
