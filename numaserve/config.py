@@ -27,7 +27,6 @@ import msgspec
 from numaserve.errors import ConfigError
 from numaserve.retiredkeys import retired
 from numaserve.loops.admission import AdmissionSettings
-from numaserve.loops.gradient import GradientSettings
 from numaserve.loops.leak import LeakSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
 
@@ -262,7 +261,6 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     irq: IrqSettings = msgspec.field(default_factory=IrqSettings)
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
-    gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     leak: LeakSettings = msgspec.field(default_factory=LeakSettings)
     log: LogConfig = msgspec.field(default_factory=LogConfig)

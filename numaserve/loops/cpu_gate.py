@@ -52,7 +52,6 @@ from numaserve.loops.admission import (
     AdmissionSettings,
     Admit,
     Outcome,
-    Permit,
     PushedLimits,
     Reject,
     _Rate,
@@ -201,8 +200,9 @@ class LagTracker:
 class CpuGateStats(msgspec.Struct, kw_only=True):
     """Counters (cumulative) and current state for the worker's Stats (``extra["admission"]``).
 
-    Field names shared with ``GateStats`` mean the same thing, so status and
-    metrics read either.
+    ``limiter``, ``l1_limit``, ``codel_overloaded`` and ``probing`` are the fields the
+    removed gradient/static limiters filled too (always "cpu", None, overloaded, False), kept
+    so the supervisor's limits loop and status readers need no second shape.
     """
 
     limiter: str
@@ -226,7 +226,7 @@ class CpuGateStats(msgspec.Struct, kw_only=True):
     status_504: int
     shed: dict[str, int]            # by reason: cpu, stall (sentinel), inflight_cap, limit_zero, quota, deadline
     client_gone: int                # not run: the client had left before the request started
-    codel_overloaded: bool          # kept for readers of GateStats: here "overloaded" (sustained)
+    codel_overloaded: bool          # the same as "overloaded" (the field the limits loop reads)
     short_of_cpu: bool
     overloaded: bool                # busy without an idle moment for a while: the tight bound applies
     shedding: bool                  # shed within overload_hold_s
@@ -358,7 +358,7 @@ class CpuGate:
 
     def try_admit(self, now: float, *, deadline: float | None = None,
                   runnable: tuple[int, int] | Callable[[], tuple[int, int]] = (0, 0)) -> Admit | Reject:
-        """``admit`` with the decision types of the other limiters (``Admit(permit)`` or ``Reject``)."""
+        """``admit`` as a decision type (``Admit(permit)`` or ``Reject``), for callers that match on it."""
         d = self.admit(now, deadline, runnable)
         return d if type(d) is Reject else Admit(d)  # type: ignore[arg-type]
 
@@ -435,7 +435,7 @@ class CpuGate:
             lag.busy = max(lag.busy, self.s.busy_threshold)
             self._overloaded = True
 
-    def release(self, now: float, permit: Permit | CpuPermit, outcome: Outcome | None = None) -> None:
+    def release(self, now: float, permit: CpuPermit, outcome: Outcome | None = None) -> None:
         """A request finished (any outcome).  The throughput rate takes it at the next probe
         sample or snapshot (one exp() per probe period, not per request)."""
         if permit.released:
@@ -455,7 +455,7 @@ class CpuGate:
         self._throughput.add(now, self._unfolded)
         self._unfolded = 0
 
-    def client_gone(self, now: float, permit: Permit | CpuPermit | None = None) -> None:
+    def client_gone(self, now: float, permit: CpuPermit | None = None) -> None:
         """An admitted request whose client left before it started: not run."""
         self._c["gone"] += 1
         if permit is not None and not permit.released:

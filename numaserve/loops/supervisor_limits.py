@@ -5,13 +5,12 @@ calls ``update(now, window)``; the loop returns a ``LimitsDecision`` (per-slot
 ceiling, rate, burst, lease) stamped with an epoch and who/why, to push as
 ``SetLimits``.  One loop per NUMA node.
 
-- **Leases** (Doorman): ceiling ``C_i = FAIR_SHARE(budget, demand_i)`` plus an
-  equal share of what is left; ``demand_i = min(L1_i, max in-flight + queued)``;
-  ``budget = Σ L1_i``, capped by the SLO guard.  Workers enforce ``min(L1, C_i)``
-  and fall back to a safe ceiling when the lease (10 s) is not renewed.
-  Workers on the "cpu" limiter (the default) run no L1: they get no ceiling
-  at all (a stream or an await must never meet a concurrency cap) unless the
-  SLO guard or an operator sets one.
+- **Leases** (Doorman): the workers' CPU gates need no concurrency cap (a
+  stream or an await must never meet one), so a worker gets a ceiling only
+  when the SLO guard, mode "static" or an operator sets a node budget; it is
+  split as ``C_i = FAIR_SHARE(budget, demand_i)`` plus an equal share of what
+  is left (``demand_i`` = max in-flight), and falls back to a safe ceiling when
+  the lease (``lease_s``) is not renewed.
 - **SLO guard** (the documents' rule, made robust): node p90 *server-side
   delay* (``slo_signal = "delay"``: how long requests waited for the worker's
   loop — arrival to start, and the loop's lag — which a long stream or an
@@ -19,16 +18,15 @@ ceiling, rate, burst, lease) stamped with an epoch and who/why, to push as
   window, node floor 5; below 0.8 × SLO for 2 windows → +10 % per window until
   released.  ``slo_signal = "total"`` reads total latency, the documents'
   literal rule (a 1 s stream then reads as a 1 s latency).
-- **Vegas** (the documents' rule, ``mode = "vegas"``): node token-bucket rate,
-  ``rtt − min_rtt`` < 5 ms → +10 %, > 20 ms → −25 %, else hold, where ``rtt``
-  is the server-side delay (``vegas_signal = "delay"``, default) or the total
-  latency (``"total"``, the literal reading); ≥ 100 requests of
-  warm-up and per decision (``rtt`` = mean total latency of a window of ≥ 100
-  completions, merged over 3 s intervals until reached); 10 % burst.  ``vegas_scaled`` (default) compares the window mean
-  with the minimum window mean of the last 10 min and scales the thresholds to
-  ``max(5 ms, 0.1·base)`` / ``max(20 ms, 0.5·base)``, and does not increase
-  while the admitted rate is below half the rate: the unscaled rule collapses
-  for long service times (FACTS-limits-leaks §8.1).
+- **Vegas** (``mode = "vegas"``): node token-bucket rate from the server-side
+  delay (``vegas_signal = "delay"``, default) or the total latency (``"total"``):
+  ≥ 100 requests of warm-up and per decision (window mean of ≥ 100 completions,
+  merged over intervals until reached), compared with the lowest window mean
+  of the last 10 min; below ``max(5 ms, 0.1·base)`` → +10 % (not while the
+  admitted rate is below half the rate), above ``max(20 ms, 0.5·base)`` → −25 %;
+  10 % burst.  The documents' unscaled rule (fixed 5/20 ms against the
+  smallest single sample) collapsed for long service times
+  (FACTS-limits-leaks §8.1) and is gone.
 - **Operator overrides** (node or slot) win until cleared ("auto").
 """
 
@@ -40,7 +38,7 @@ from typing import Literal, Sequence
 
 import msgspec
 
-from numaserve.loops.checks import at_least, fraction, ordered, positive
+from numaserve.loops.checks import at_least, ordered, positive
 
 __all__ = [
     "LimitsDecision",
@@ -52,7 +50,7 @@ __all__ = [
     "fair_share",
 ]
 
-Mode = Literal["auto", "gradient", "vegas", "static", "off"]
+Mode = Literal["auto", "vegas", "static", "off"]
 Signal = Literal["delay", "total"]
 
 
@@ -80,55 +78,78 @@ def fair_share(capacity: float, demands: Sequence[float]) -> list[float]:
     return alloc
 
 
-class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``[limits]`` config section (FACTS-limits-leaks §9.4)."""
+# Internal tuning of the limits loop (were [limits] keys; nobody had a reason to set them).
+#: A worker's lease ceiling never goes below this; the node's total never below NODE_FLOOR.
+WORKER_FLOOR = 2
+NODE_FLOOR = 5
+#: Token-bucket burst pushed with a rate, as a share of it.
+BURST_FRACTION = 0.1
+#: SLO guard: p90 above the SLO for SLO_WINDOWS windows → ceilings × SLO_BACKOFF per window;
+#: below SLO_RELEASE_RATIO × SLO for SLO_WINDOWS windows → + SLO_RELEASE_STEP per window until released.
+SLO_WINDOWS = 2
+SLO_BACKOFF = 0.9
+SLO_RELEASE_RATIO = 0.8
+SLO_RELEASE_STEP = 0.1
+#: Vegas: ≥ VEGAS_WARMUP_REQUESTS completions before the first decision, ≥ VEGAS_MIN_WINDOW_REQUESTS
+#: per decision (windows merge until then); rtt − base < low → + VEGAS_INCREASE, > high → − VEGAS_DECREASE,
+#: low = max(VEGAS_LOW_MS, VEGAS_LOW_RATIO × base), high = max(VEGAS_HIGH_MS, VEGAS_HIGH_RATIO × base),
+#: base = the lowest window mean of the last VEGAS_REBASE_S; no increase while the admitted rate is below
+#: VEGAS_APP_LIMITED_RATIO × the rate (the app, not the server, limits it).
+VEGAS_WARMUP_REQUESTS = 100
+VEGAS_MIN_WINDOW_REQUESTS = 100
+VEGAS_LOW_MS = 5.0
+VEGAS_HIGH_MS = 20.0
+VEGAS_LOW_RATIO = 0.1
+VEGAS_HIGH_RATIO = 0.5
+VEGAS_INCREASE = 0.10
+VEGAS_DECREASE = 0.25
+VEGAS_REBASE_S = 600.0
+VEGAS_APP_LIMITED_RATIO = 0.5
 
-    mode: Mode = "auto"                  # "gradient" is the same (kept for old configs)
-    interval_s: float = 3.0
-    lease_s: float = 10.0
-    worker_floor: int = 2
-    worker_ceiling: int = 256
-    node_floor: int = 5
+
+class LimitsSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``[limits]`` section: the supervisor's per-node loop that pushes one limit to each worker's gate."""
+
+    mode: Mode = "auto"                  # "auto": SLO guard + operator; "vegas": + a node rate; "static"; "off"
+    interval_s: float = 3.0              # one decision per node this often
+    lease_s: float = 10.0                # a pushed ceiling holds this long unless renewed
+    worker_ceiling: int = 256            # the highest ceiling the loop gives one worker
     static_concurrency: int = 0          # mode "static": per-worker ceiling (0: worker_ceiling)
     static_rate: float = 0.0             # mode "static": node rate, requests/s (0: none)
-    burst_fraction: float = 0.1
-    # SLO guard (modes gradient and vegas)
-    slo_guard: bool = True
-    slo_signal: Signal = "delay"
+    slo_guard: bool = True               # modes auto and vegas: cap concurrency while the node's p90 > slo_ms
+    slo_signal: Signal = "delay"         # "delay": server-side wait for the loop; "total": whole latency
     slo_ms: float = 200.0
-    slo_windows: int = 2
-    slo_backoff: float = 0.9
-    slo_release_ratio: float = 0.8
-    slo_release_step: float = 0.1
-    # Vegas rate mode
-    vegas_scaled: bool = True
     vegas_signal: Signal = "delay"
     vegas_initial_rps: float = 0.0       # 0: the observed completion rate when warm-up ends
     vegas_min_rps: float = 1.0
     vegas_max_rps: float = 1_000_000.0
-    vegas_warmup_requests: int = 100
-    vegas_min_window_requests: int = 100  # a decision needs this many completions (windows merge until then)
-    vegas_low_ms: float = 5.0
-    vegas_high_ms: float = 20.0
-    vegas_low_ratio: float = 0.1         # scaled: low = max(low_ms, ratio × base)
-    vegas_high_ratio: float = 0.5        # scaled: high = max(high_ms, ratio × base)
-    vegas_increase: float = 0.10
-    vegas_decrease: float = 0.25
-    vegas_rebase_s: float = 600.0
-    vegas_app_limited_ratio: float = 0.5
+
+    # The tuning constants, read where the settings are (``s.node_floor``): not keys.
+    worker_floor = WORKER_FLOOR
+    node_floor = NODE_FLOOR
+    burst_fraction = BURST_FRACTION
+    slo_windows = SLO_WINDOWS
+    slo_backoff = SLO_BACKOFF
+    slo_release_ratio = SLO_RELEASE_RATIO
+    slo_release_step = SLO_RELEASE_STEP
+    vegas_warmup_requests = VEGAS_WARMUP_REQUESTS
+    vegas_min_window_requests = VEGAS_MIN_WINDOW_REQUESTS
+    vegas_low_ms = VEGAS_LOW_MS
+    vegas_high_ms = VEGAS_HIGH_MS
+    vegas_low_ratio = VEGAS_LOW_RATIO
+    vegas_high_ratio = VEGAS_HIGH_RATIO
+    vegas_increase = VEGAS_INCREASE
+    vegas_decrease = VEGAS_DECREASE
+    vegas_rebase_s = VEGAS_REBASE_S
+    vegas_app_limited_ratio = VEGAS_APP_LIMITED_RATIO
 
     def __post_init__(self) -> None:
-        positive(self, "interval_s", "lease_s", "slo_ms", "vegas_min_rps", "vegas_max_rps", "vegas_rebase_s")
-        at_least(self, 1, "worker_floor", "worker_ceiling", "node_floor", "slo_windows")
-        at_least(self, 0, "static_concurrency", "static_rate", "burst_fraction", "vegas_initial_rps",
-                 "vegas_warmup_requests", "vegas_min_window_requests", "vegas_low_ms", "vegas_high_ms",
-                 "vegas_low_ratio", "vegas_high_ratio", "vegas_increase", "slo_release_step")
-        fraction(self, "slo_backoff", "vegas_decrease", low_open=True, high_open=True)
-        fraction(self, "slo_release_ratio", "vegas_app_limited_ratio")
+        positive(self, "interval_s", "lease_s", "slo_ms", "vegas_min_rps", "vegas_max_rps")
+        at_least(self, 1, "worker_ceiling")
+        at_least(self, WORKER_FLOOR, "worker_ceiling")
+        at_least(self, 0, "static_concurrency", "static_rate", "vegas_initial_rps")
         ordered(self, "interval_s", "lease_s")
-        ordered(self, "worker_floor", "worker_ceiling")
         ordered(self, "vegas_min_rps", "vegas_max_rps")
-        ordered(self, "vegas_low_ms", "vegas_high_ms")
 
 
 class WorkerWindow(msgspec.Struct, kw_only=True):
@@ -157,7 +178,7 @@ class NodeWindow(msgspec.Struct, kw_only=True):
     admitted: int = 0
     p90_total_s: float | None = None
     mean_total_s: float | None = None
-    min_total_s: float | None = None     # smallest single total latency (unscaled Vegas)
+    min_total_s: float | None = None     # smallest single total latency
     p90_delay_s: float | None = None
     mean_delay_s: float | None = None
     min_delay_s: float | None = None
@@ -224,7 +245,6 @@ class LimitsLoop:
         # Vegas
         self.rate: float | None = settings.vegas_initial_rps or None
         self._seen = 0
-        self._min_rtt: float | None = None
         self._means: deque[tuple[float, float]] = deque()
         self._acc_n = 0          # Vegas window accumulated across L2 intervals
         self._acc_sum = 0.0
@@ -248,7 +268,7 @@ class LimitsLoop:
         notes: list[str] = []
         source = "auto: fair share"
         mode = self.s.mode
-        if mode in ("auto", "gradient", "vegas") and self.s.slo_guard:
+        if mode in ("auto", "vegas") and self.s.slo_guard:
             slo_note = self._slo_step(window)
             if slo_note:
                 source = f"auto: {slo_note}"
@@ -327,9 +347,7 @@ class LimitsLoop:
     def _vegas_step(self, now: float, w: NodeWindow) -> str:
         s = self.s
         self._seen += w.completed
-        lo, mean = w.minimum(s.vegas_signal), w.mean(s.vegas_signal)
-        if lo is not None:
-            self._min_rtt = lo if self._min_rtt is None else min(self._min_rtt, lo)
+        mean = w.mean(s.vegas_signal)
         if mean is not None and w.completed > 0:
             self._acc_n += w.completed
             self._acc_sum += mean * w.completed
@@ -349,16 +367,12 @@ class LimitsLoop:
         if self.rate is None:
             self.rate = max(s.vegas_min_rps, completed_rate)
             return f"vegas start {self.rate:.1f}/s"
-        if s.vegas_scaled:
-            base = min(m for _, m in self._means)
-            low = max(s.vegas_low_ms / 1e3, s.vegas_low_ratio * base)
-            high = max(s.vegas_high_ms / 1e3, s.vegas_high_ratio * base)
-        else:
-            base = self._min_rtt if self._min_rtt is not None else min(m for _, m in self._means)
-            low, high = s.vegas_low_ms / 1e3, s.vegas_high_ms / 1e3
+        base = min(m for _, m in self._means)
+        low = max(s.vegas_low_ms / 1e3, s.vegas_low_ratio * base)
+        high = max(s.vegas_high_ms / 1e3, s.vegas_high_ratio * base)
         diff = cur - base
         if diff < low:
-            if s.vegas_scaled and admitted_rate < s.vegas_app_limited_ratio * self.rate:
+            if admitted_rate < s.vegas_app_limited_ratio * self.rate:
                 return "vegas hold (app-limited)"
             self.rate = min(s.vegas_max_rps, self.rate * (1 + s.vegas_increase))
             return f"vegas +{s.vegas_increase:.0%}"

@@ -319,7 +319,7 @@ class LimitsManager:
             "reason": self.reasons.get(slot.plan.slot),
             "effective_limit": gate.get("limit") if isinstance(gate, dict) else None,
             "l1_limit": gate.get("l1_limit") if isinstance(gate, dict) else None,
-            "limiter": gate.get("limiter", "gradient") if isinstance(gate, dict) else None,
+            "limiter": gate.get("limiter", "cpu") if isinstance(gate, dict) else None,
             "gate": _gate_summary(gate) if isinstance(gate, dict) else None,
         }
 

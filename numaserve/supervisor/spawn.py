@@ -63,7 +63,6 @@ def worker_spec(cfg: Config, plan: SlotPlan, generation: int, listeners: list[Li
         heartbeat_interval=cfg.supervisor.heartbeat_interval,
         stats_interval=1.0,
         admission=cfg.admission,
-        gradient=cfg.gradient,
         framing=_section(cfg, "framing", FramingConfig),
         cache=_section(cfg, "cache", CacheConfig),
         tls=_checked_tls(_section(cfg, "tls", TlsConfig)),

@@ -12,8 +12,7 @@ request it:
 * finishes admission: the "cpu" limiter decided in the protocol at
   head-complete and left its permit in the scope (``numaserve.worker.
   shedding``); requests the protocol did not see (frames, h11) are decided
-  here by the same gate; limiters "gradient"/"static" acquire their
-  ``AdmissionGate`` here.  A request whose client left while it waited is
+  here by the same gate.  A request whose client left while it waited is
   not run.  Deadlines (``x-request-timeout`` or the default) give 504 before
   the response starts.  The permit is released when the request ends, or
   when its response turns out to be a stream (its first body chunk has
@@ -43,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
-from numaserve.loops.admission import Rejected
 from numaserve.loops.cpu_gate import CpuPermit
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send
@@ -199,8 +197,7 @@ class Edge:
 
     ``stats``: count requests (and close connections while draining);
     ``limit_stats``: where 413/408 refusals are counted (default ``stats``);
-    ``cpu``: an ``AdmissionRuntime`` (limiter "cpu"); ``gate``: an
-    ``AdmissionGate`` (limiters "gradient"/"static"); ``max_body_bytes`` /
+    ``cpu``: an ``AdmissionRuntime`` (the CPU gate; None: no admission); ``max_body_bytes`` /
     ``read_timeout``: the body limits (0: none).
 
     Served by the worker's HTTP protocol, a request with its body already in skips this
@@ -212,7 +209,7 @@ class Edge:
     protocol_foldable = True
 
     def __init__(self, app: ASGIApp, *, stats: WorkerStats | None = None, lifespan: LifespanRecord | None = None,
-                 cpu: Any = None, gate: Any = None, default_timeout_s: float = 0.0,
+                 cpu: Any = None, default_timeout_s: float = 0.0,
                  max_body_bytes: int = 0, read_timeout: float = 0.0,
                  limit_stats: WorkerStats | None = None) -> None:
         self.app = app
@@ -220,8 +217,7 @@ class Edge:
         self.lifespan = lifespan if lifespan is not None else LifespanRecord()
         self.cpu = cpu
         self.rt = cpu      # (the worker's name for it: sentinel start/stop, set_limits)
-        self.gate = cpu.gate if cpu is not None else gate
-        self._async_gate = gate if cpu is None else None
+        self.gate = cpu.gate if cpu is not None else None
         if cpu is not None:
             default_timeout_s = cpu.s.request_timeout_s
         self.default_timeout_s = default_timeout_s
@@ -244,10 +240,7 @@ class Edge:
 
     def release(self, permit: Any, outcome: str, now: float | None = None) -> None:
         cpu = self.cpu
-        if cpu is not None:
-            self.gate.release(cpu.clock() if now is None else now, permit, outcome)
-        else:
-            self.gate.release(permit, outcome)
+        self.gate.release(cpu.clock() if now is None else now, permit, outcome)
 
     def count_refusal(self, status: int) -> None:
         stats = self.limit_stats
@@ -325,21 +318,6 @@ class Edge:
                 return
             cpu.started(permit, now)
             deadline = permit.deadline
-        elif self._async_gate is not None:
-            gate = self._async_gate
-            now = gate.clock()
-            deadline = request_deadline(scope["headers"], now, self.default_timeout_s)
-            try:
-                permit = await gate.acquire(deadline)
-            except Rejected as r:
-                self.rejected[r.status] = self.rejected.get(r.status, 0) + 1
-                ex.started = True
-                ex.status = r.status
-                body = error_body(r.status, f"request not admitted: {r.reason}")
-                await ex.raw_send({"type": "http.response.start", "status": r.status,
-                                   "headers": [*error_headers(r.status, body)[:2], *r.headers()]})
-                await ex.raw_send({"type": "http.response.body", "body": body})
-                return
         if permit is None:
             await self._limited(scope, ex)
             return
@@ -358,8 +336,7 @@ class Edge:
                         logger.debug("app raised after the edge answered %d: %s", ex.refused,
                                      describe_exception(e))
             else:
-                clock = self.cpu.clock if self.cpu is not None else self.gate.clock
-                timer = asyncio.timeout(max(0.0, deadline - clock()))
+                timer = asyncio.timeout(max(0.0, deadline - self.cpu.clock()))
                 try:
                     async with timer:
                         await self._limited(scope, ex)
@@ -478,15 +455,9 @@ class Edge:
 
     def snapshot(self) -> dict[str, Any]:
         """The admission part of Stats ``extra`` (``{}`` without admission)."""
-        if self.cpu is not None:
-            out = self.cpu.snapshot()
-        elif self._async_gate is not None:
-            gate = self._async_gate
-            snap = gate.machine.snapshot(gate.clock(), reset_max=True)
-            out = {f: getattr(snap, f) for f in snap.__struct_fields__}
-            out["rejected_by_status"] = {}
-        else:
+        if self.cpu is None:
             return {}
+        out = self.cpu.snapshot()
         for k, v in self.rejected.items():
             out["rejected_by_status"][str(k)] = out["rejected_by_status"].get(str(k), 0) + v
         return out
@@ -539,8 +510,7 @@ class Stack:
 
     app: ASGIApp
     edge: Edge
-    runtime: Any          # AdmissionRuntime (limiter "cpu") or None
-    gate: Any             # AdmissionGate (limiters "gradient"/"static") or None
+    runtime: Any          # AdmissionRuntime (the CPU gate) or None (admission off)
     config: Any           # uvicorn.Config
 
 
@@ -553,17 +523,13 @@ def build_stack(spec: Any, app: ASGIApp, stats: WorkerStats, lifespan: LifespanR
         from numaserve.worker.cache import CacheMiddleware
 
         app = CacheMiddleware(app, cache)
-    runtime = gate = None
+    runtime = None
     adm = spec.admission
-    if adm.enabled and adm.limiter == "cpu":
+    if adm.enabled:
         from numaserve.worker.shedding import AdmissionRuntime
 
         runtime = AdmissionRuntime(adm)
-    elif adm.enabled:
-        from numaserve.loops.admission import make_gate
-
-        gate = make_gate(adm, spec.gradient if adm.limiter == "gradient" else None)
-    edge = Edge(app, stats=stats, lifespan=lifespan, cpu=runtime, gate=gate,
+    edge = Edge(app, stats=stats, lifespan=lifespan, cpu=runtime,
                 default_timeout_s=adm.request_timeout_s, max_body_bytes=spec.max_body_bytes,
                 read_timeout=spec.read_timeout)
     entry: ASGIApp = edge
@@ -572,7 +538,7 @@ def build_stack(spec: Any, app: ASGIApp, stats: WorkerStats, lifespan: LifespanR
 
         entry = AccessLogMiddleware(edge, spec.server.access_log_format)
     config = build_config(spec, entry, stats=stats, admission=runtime)
-    return Stack(app=entry, edge=edge, runtime=runtime, gate=gate, config=config)
+    return Stack(app=entry, edge=edge, runtime=runtime, config=config)
 
 
 def assemble_for_bench(spec: Any, app: ASGIApp) -> tuple[type, Any, Any]:

@@ -368,8 +368,7 @@ def _foldable_edge(app: Any, rt: Any) -> Any:
     """The worker's ``Edge`` when ``LeanCycle`` can do its per-request work itself: uvicorn
     loaded it unwrapped (no proxy-headers or trace middleware around it), it counts requests,
     and its admission is the protocol's own "cpu" runtime or none."""
-    if (getattr(app, "protocol_foldable", False) and app.stats is not None
-            and app._async_gate is None and app.cpu is rt):
+    if getattr(app, "protocol_foldable", False) and app.stats is not None and app.cpu is rt:
         return app
     return None
 

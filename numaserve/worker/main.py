@@ -143,13 +143,9 @@ class Worker:
                 kw["lease_expiry"] = time.monotonic() + float(args["lease_s"])
         except (KeyError, TypeError, ValueError) as e:
             return False, f"bad set_limits arguments: {e}"
-        gate = self.admission.gate
-        if hasattr(gate, "machine"):   # limiters "gradient"/"static": the asyncio AdmissionGate
-            ok = gate.set_limits(epoch, **kw)
-            current = gate.machine.epoch
-        else:                          # limiter "cpu": the pure CpuGate, on this loop
-            ok = gate.set_limits(self.admission.rt.clock(), epoch, **kw)
-            current = gate.epoch
+        gate = self.admission.gate   # the pure CpuGate, on this loop
+        ok = gate.set_limits(self.admission.rt.clock(), epoch, **kw)
+        current = gate.epoch
         return ok, f"epoch {epoch} {'applied' if ok else 'stale: kept ' + str(current)}"
 
     def _begin_stop(self, deadline: float, reason: str) -> None:
@@ -387,12 +383,8 @@ class Worker:
             gc.freeze()  # import-time objects leave the GC's scans for good
         stack = build_stack(spec, app, self.stats, self.lifespan, self.cache)
         runtime = stack.runtime
-        if runtime is not None or stack.gate is not None:
+        if runtime is not None:
             self.admission = stack.edge
-        if stack.gate is not None:
-            from numaserve.worker.admission_mw import tick_forever
-
-            self._spawn(tick_forever(stack.gate))
         self.server = WorkerServer(stack.config, on_started=self._on_started)
         if runtime is not None and not spec.tls.enabled:  # TLS: the sentinel cannot answer
             server = self.server

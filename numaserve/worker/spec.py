@@ -8,7 +8,6 @@ import msgspec
 
 from numaserve.config import CacheConfig, FramingConfig, ServerConfig, TlsConfig
 from numaserve.loops.admission import AdmissionSettings
-from numaserve.loops.gradient import GradientSettings
 
 SPEC_ENV = "NUMASERVE_WORKER_SPEC"
 
@@ -29,7 +28,6 @@ class WorkerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     heartbeat_interval: float = 1.0
     stats_interval: float = 1.0
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
-    gradient: GradientSettings = msgspec.field(default_factory=GradientSettings)
     framing: FramingConfig = msgspec.field(default_factory=FramingConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
