@@ -318,8 +318,6 @@ class LimitsManager:
             "source": s.source if s else None,
             "reason": self.reasons.get(slot.plan.slot),
             "effective_limit": gate.get("limit") if isinstance(gate, dict) else None,
-            "l1_limit": gate.get("l1_limit") if isinstance(gate, dict) else None,
-            "limiter": gate.get("limiter", "cpu") if isinstance(gate, dict) else None,
             "gate": _gate_summary(gate) if isinstance(gate, dict) else None,
         }
 
@@ -328,7 +326,7 @@ def _gate_summary(gate: dict[str, Any]) -> dict[str, Any]:
     """What the worker's gate is doing now (status, ``ratelimit show``): the CPU signals and sheds."""
     keys = ("inflight", "max_inflight", "lag_s", "lag_max_s", "short_of_cpu", "overloaded", "shedding",
             "other_threads_cpu", "request_cpu_s",
-            "client_gone", "shed", "sentinel", "codel_overloaded", "queued")
+            "client_gone", "shed", "sentinel")
     return {k: gate[k] for k in keys if k in gate}
 
 

@@ -482,7 +482,7 @@ class NumaserveCollector(Collector):
               SLOT_LABELS, lv, _first(s, ("admission", "limit"), ("limits", "effective_limit")))
         overloaded = adm.get("codel_overloaded")
         if isinstance(overloaded, bool):
-            b.set("numaserve_admission_overloaded", "1 while the worker's queue delay is over target (CoDel)",
+            b.set("numaserve_admission_overloaded", "1 while the worker's loop is overloaded (busy without an idle moment)",
                   SLOT_LABELS, lv, 1.0 if overloaded else 0.0)
 
     def _slot_limits(self, b: _Builder, s: Mapping[str, Any]) -> None:
