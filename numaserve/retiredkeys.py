@@ -14,7 +14,7 @@ _LIMITS_CONSTANT = "now a fixed constant of the limits loop (numaserve/loops/sup
 
 RETIRED: dict[str, str] = {
     # issue 32: one out-of-loop actuator (the worker's sentinel thread), the supervisor's door is gone
-    "admission.supervisor_shed": "removed: the worker's sentinel answers 503 from the accept queue while a "
+    "admission.supervisor_shed": "the worker's sentinel answers 503 from the accept queue while a "
                                  "handler blocks the loop ([admission] sentinel); delete the key",
     # issue 32: one limiter family (the CPU gate); the gradient/static limiters and their tuning are gone
     "gradient": "the gradient (L1) limiter is gone: the CPU gate sheds on loop lag and CPU wait, with no "
