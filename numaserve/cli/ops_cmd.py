@@ -175,11 +175,26 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
     for s in data["slots"]:
         for p in s.get("binding_problems") or []:
             out += wrap_parts([f"slot {s['slot']}: {p}"], width)
+    refused = refusals_by_reason(data)
+    if refused:
+        out += wrap_parts(["refused (since start):", *(f"{k} {v}" for k, v in refused.items())], width)
     for op in data.get("operations") or []:
         if op["state"] == "running":
             last = op["steps"][-1]["message"] if op["steps"] else ""
             out += wrap_parts([f"operation {op['id']} {op['kind']} running {op['elapsed_s']:.0f}s:", last], width)
     return out
+
+
+def refusals_by_reason(data: dict[str, Any]) -> dict[str, int]:
+    """Requests refused by admission, summed over the slots' lifetime totals, by reason, most first
+    (the gate's reasons: ``cpu``, ``stall`` from the sentinel, ``inflight_cap``, ``quota``, ...)."""
+    out: dict[str, int] = {}
+    for s in data["slots"]:
+        by = (s.get("totals") or {}).get("shed_by_reason") or {}
+        for k, v in by.items():
+            if isinstance(v, int) and v > 0:
+                out[str(k)] = out.get(str(k), 0) + v
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _render_status(data: dict[str, Any]) -> None:

@@ -55,6 +55,14 @@ def test_status_is_one_line_per_slot_when_wide() -> None:
     assert len(lines) == 1 + 1 + 2 and "mempolicy" in lines[1] and "restarts" in lines[1]
 
 
+def test_status_counts_refusals_per_reason_over_the_slots() -> None:
+    data = status(slot(0, totals={"shed_by_reason": {"cpu": 40, "stall": 7}}),
+                  slot(1, totals={"shed_by_reason": {"cpu": 2, "quota": 0}}), slot(2))
+    lines = status_lines(data, 80)
+    assert lines[-1] == "refused (since start):  cpu 42  stall 7", lines   # most first; zeros left out
+    assert not any("refused" in line for line in status_lines(status(slot(0), slot(1)), 80))
+
+
 def test_fit_table_keeps_priorities_and_natural_order() -> None:
     cols = [Column("a", "alpha", 2), Column("b", "beta", 0), Column("c", "gamma", 1, short="g")]
     rows = [{"a": "x" * 10, "b": "1", "c": "2"}]
