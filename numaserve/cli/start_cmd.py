@@ -49,7 +49,7 @@ def parse_workers_per_node(value: str | None) -> int | str | None:
 @click.option("--takeover", is_flag=True, default=None,
               help="Start even when another process listens on a bind address, sharing it (an upgrade).")
 @click.option("--allow-host-port", is_flag=True, default=None,
-              help="Let --cmd use {host}/{port} (the command then binds its own sockets; see README).")
+              help="Let --cmd use {host}/{port} (the command then binds its own sockets; see docs/serving.md).")
 @click.option("--log-level", "log_level",
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False), default=None,
               help="Log level (log.level); the same as `numaserve --log-level ... start`.")

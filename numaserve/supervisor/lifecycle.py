@@ -36,7 +36,7 @@ from numaserve.progress import read_progress
 
 log = structlog.get_logger("numaserve.supervisor")
 
-# Exit statuses of `numaserve start` (documented in README).
+# Exit statuses of `numaserve start` (documented in README and docs/errors.md).
 EXIT_OK = 0              # graceful stop, every worker finished in time
 EXIT_ERROR = 1           # fatal runtime error
 EXIT_USAGE = 2           # bad config / arguments (raised before start)
