@@ -35,7 +35,8 @@ the start of an overload: the gate says *overloaded* at once instead of after
 Also here: an in-flight safety cap (``max_inflight`` and the supervisor's
 lease ceiling; 0/None = none, the default: streams never hit a cap), the
 supervisor's rate quota (429), client deadlines (504), the counters and the
-decision every sentinel makes (``stall_excess``).  Pure: every call takes
+decision every sentinel makes (``stall_excess``: leave in the accept queue only what the
+gate would admit once the loop is back).  Pure: every call takes
 ``now``; no clock, no I/O.
 """
 
@@ -471,20 +472,35 @@ class CpuGate:
         Only while the loop is stalled: its probe is ``stall_after_s`` late
         when it was already short of CPU, else ``stall_idle_after_s`` (a
         single long call on a quiet worker is not overload).  What stays for
-        the loop is what its own gate would admit: the connections whose
-        learnt CPU fits in what is left of ``overload_wait_s`` after the
-        stall so far, and never fewer than ``stall_queue`` (so the loop has
-        work the moment it is back).  A 5 ms handler that blocks the loop is
-        a stall every call; 8 clients of it queue ~35 ms and are all served,
-        while behind a 20 ms one only 2 stay and behind a long call 1.
+        the loop is what its own gate would admit once it is back: the loop
+        is back when the call running now ends (its learnt CPU less the
+        ``stalled_for`` it has run; a call already longer than that is
+        guessed to run as long again) and the requests already waiting for
+        CPU behind it have run (``waiting`` counts the running one); the
+        connections whose learnt CPU fits in what is left of
+        ``overload_wait_s`` after that stay, every other one is answered now.
+        Left in the queue, the loop would refuse them itself, a call and a
+        loop iteration later (issue 32: the sentinel kept ~2 behind each 20 ms
+        call at 2x capacity, and most 503s on new connections waited a
+        quarter of a second for the loop).  With nothing waiting behind the
+        call at least ``stall_queue`` stay (so the loop has work the moment it
+        is back).  A 5 ms handler that blocks the loop is a stall every call;
+        8 clients of it queue ~35 ms and are all served, while behind a 20 ms
+        one 2 stay, behind a 20 ms one with two more queued none, and behind a
+        long call ``stall_queue``.
         """
         if self.inflight <= 0:
             return 0
         if stalled_for < self.stall_limit(now):
             return 0
-        budget = self.s.overload_wait_s - stalled_for
-        keep = math.ceil(budget / self.request_cpu_s) if budget > 0 and self.request_cpu_s > 0 else 0
-        return max(0, accept_queue - max(self.s.stall_queue, keep))
+        cpu = self.request_cpu_s
+        behind = max(0, self.waiting - 1)
+        back_in = (cpu - stalled_for if stalled_for < cpu else stalled_for) + behind * cpu
+        budget = self.s.overload_wait_s - back_in
+        keep = math.ceil(budget / cpu) if budget > 0 and cpu > 0 else 0
+        if behind == 0:
+            keep = max(keep, self.s.stall_queue)
+        return max(0, accept_queue - keep)
 
     def stall_limit(self, now: float) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is

@@ -356,6 +356,11 @@ class Sentinel(threading.Thread):
             s.setblocking(False)
         self._stop_evt = threading.Event()
         self._pending: list[tuple[int, float]] = []   # accepted fds, head not read yet
+        self._listen_fds = {s.fileno() for s in self._listeners}
+        # readable listener = a connection waits in its accept queue; readable pending fd = its head came
+        self._poll = select.poll()
+        for lst in self._listeners:
+            self._poll.register(lst, select.POLLIN)
         self._linger: list[tuple[int, float]] = []
         self.shed = 0
         self.handed_back = 0
@@ -381,9 +386,7 @@ class Sentinel(threading.Thread):
         rt = self.rt
         gate = rt.gate
         stalled_before = False
-        queue = select.poll()      # readable listener = a connection waits in its accept queue
-        for lst in self._listeners:
-            queue.register(lst, select.POLLIN)
+        queue = self._poll
         idle_since: float | None = None
         while not self._stop_evt.is_set():
             if gate.inflight <= 0 and not self._pending and not self._linger:
@@ -411,7 +414,8 @@ class Sentinel(threading.Thread):
                 # so sleep in poll() until a connection waits (the loop takes it at once if it can),
                 # then until the loop could be stalled for ``limit``: no wake-ups per probe period
                 # (32 workers on 2 CPUs: 32 threads taking the GIL from their loops ~1000 times a second).
-                if queue.poll(self._idle_poll_ms()):
+                ready = queue.poll(self._idle_poll_ms())
+                if any(fd in self._listen_fds for fd, _ in ready):
                     now = time.monotonic()
                     left = limit - (now - probe.beat - probe.period)
                     if left > 0:
@@ -431,7 +435,7 @@ class Sentinel(threading.Thread):
             if waiting:    # connections wait (some left for the loop): look again in a moment
                 self._stop_evt.wait(self.STALL_POLL_S)
             else:          # stalled (or not scheduled: more workers than CPUs) with nobody waiting:
-                queue.poll(self._idle_poll_ms())   # nothing to answer until a connection arrives
+                queue.poll(self._idle_poll_ms())   # nothing to answer until a connection or a head arrives
 
     def _idle_poll_ms(self) -> float:
         """How long to sleep in poll() when no connection waits: until pending heads and
@@ -450,8 +454,9 @@ class Sentinel(threading.Thread):
         Every call here keeps the GIL (one acquisition per batch, not one per syscall)."""
         n, first = heldsock.recv(fd, peek=True)
         if n == -heldsock.EAGAIN:
-            if time.monotonic() < deadline:
+            if time.monotonic() < deadline:   # poll() wakes the thread when the head comes
                 self._pending.append((fd, deadline))
+                self._poll.register(fd, select.POLLIN)
                 return
             first = b"G"  # nothing yet: answer anyway, the client is connected
         elif n < 0:
@@ -480,6 +485,7 @@ class Sentinel(threading.Thread):
         if self._pending:
             pending, self._pending = self._pending, []
             for fd, deadline in pending:
+                self._poll.unregister(fd)
                 self._answer_or_wait(fd, deadline)
         if self._linger:
             keep = []

@@ -16,15 +16,16 @@ from benchlib import env
 from benchlib.common import Ctx
 
 SCENARIOS = ("throughput", "hotpath", "overload", "admission", "resilience", "balance", "overhead", "startup", "warm",
-             "model")
-#: What runs without --scenarios ("hotpath" adds granian and wrk and 32-worker runs: asked for by name).
-DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("hotpath", "warm", "model"))  # "warm", "model": by name
+             "model", "overload-sweep")
+#: What runs without --scenarios ("hotpath" adds granian and wrk and 32-worker runs: asked for by name;
+#: "overload-sweep" takes ~10 min a repetition, its --quick ~2 min).
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("hotpath", "warm", "model", "overload-sweep"))
 
 
 def _runner(name: str) -> Callable[[Ctx], dict[str, Any]]:
     import importlib
 
-    mod = importlib.import_module(f"benchlib.scen_{name}")
+    mod = importlib.import_module(f"benchlib.scen_{name.replace('-', '_')}")
     return mod.run  # type: ignore[no-any-return]
 
 
@@ -38,11 +39,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=env.DOCS, help=f"output directory (default {env.DOCS})")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 1 quick, 3 full)")
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                    help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but hotpath and warm)")
+                    help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but hotpath, warm, model and overload-sweep)")
     ap.add_argument("--servers", default="numaserve,uvicorn,gunicorn", help="comma-separated subset")
     ap.add_argument("--no-install", action="store_true", help="fail instead of pip-installing missing peers")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--seed", type=int, default=1, help="seed of the per-repetition server order")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="overload-sweep: also run numaserve from this source tree as numaserve-base (before/after)")
     return ap.parse_args(argv)
 
 
@@ -58,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     peers = env.ensure_peers(install=not a.no_install)
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(quick=a.quick, reps=a.reps or (1 if a.quick else 3), out=out, servers=servers, seed=a.seed)
+    if a.base is not None and not (a.base / "numaserve" / "__init__.py").is_file():
+        print(f"bench: --base {a.base} is not a numaserve source tree (no numaserve/__init__.py)", file=sys.stderr)
+        return 2
+    ctx = Ctx(quick=a.quick, reps=a.reps or (1 if a.quick else 3), out=out, servers=servers, seed=a.seed,
+              base=a.base.resolve() if a.base is not None else None)
     machine = env.machine_info()
     ctx.log(f"bench {'quick' if a.quick else 'full'}: {names} on {servers}, {ctx.reps} rep(s), "
             f"{machine['nproc']} CPUs, load {machine['loadavg_at_start']}")

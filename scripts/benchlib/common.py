@@ -23,6 +23,7 @@ class Ctx:
     out: Path
     servers: tuple[str, ...] = KINDS
     seed: int = 1
+    base: Path | None = None      # numaserve source tree to run beside ours (overload-sweep's before/after)
     t0: float = field(default_factory=time.monotonic)
     notes: list[str] = field(default_factory=list)
 

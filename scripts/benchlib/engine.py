@@ -15,6 +15,7 @@ loudly instead of silently mis-filing.  (A ``latency_by_status`` option in
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import threading
@@ -67,6 +68,7 @@ class _Errors(dict):  # type: ignore[type-arg]
     def __setitem__(self, kind: str, count: int) -> None:
         if kind in self and count > self[kind]:
             self._owner.tick("error")
+            self._owner.fresh.pop(asyncio.current_task(), None)
         super().__setitem__(kind, count)
 
 
@@ -87,12 +89,18 @@ class _Split:
     by_class: dict[str, lt.LatencyRecorder] = field(default_factory=dict)
     timeline: dict[int, dict[str, int]] = field(default_factory=dict)
     filed: int = 0
+    #: the same per-status histograms, only for responses that came on a new connection
+    fresh_by_class: dict[str, lt.LatencyRecorder] = field(default_factory=dict)
+    #: request task -> whether its last send went on a new connection (set by ``_fresh_send``)
+    fresh: dict[object, bool] = field(default_factory=dict)
 
     def file(self, status: int) -> None:
         if self.pending is None:
             raise RuntimeError("status counted without a latency: numaserve.tools.loadtest changed; fix benchlib.engine")
         cls = status_class(status)
         self.by_class.setdefault(cls, lt.LatencyRecorder()).record(self.pending)
+        if self.fresh.pop(asyncio.current_task(), False):
+            self.fresh_by_class.setdefault(cls, lt.LatencyRecorder()).record(self.pending)
         if self.pending > SLOW_S:
             self.tick("slow")
         self.pending = None
@@ -118,6 +126,18 @@ class _Result(lt.LoadResult):
         self.errors = _Errors(_current, self.errors)
 
 
+_orig_send = lt._Conn.send
+
+
+def _fresh_send(self: lt._Conn, data: bytes, head: bool) -> "asyncio.Future[tuple[int, bool]]":
+    """``_Conn.send`` that notes, per request task, whether this is the connection's first request
+    (the request then records its latency and status with no await in between: ``_Split.file``)."""
+    split = _current
+    if split is not None:
+        split.fresh[asyncio.current_task()] = self.uses == 0
+    return _orig_send(self, data, head)
+
+
 @contextmanager
 def _instrumented(t0: float) -> Iterator[_Split]:
     global _current
@@ -125,10 +145,12 @@ def _instrumented(t0: float) -> Iterator[_Split]:
         _current = _Split(t0)
         orig = lt.LoadResult
         lt.LoadResult = _Result  # type: ignore[misc]
+        lt._Conn.send = _fresh_send  # type: ignore[method-assign]
         try:
             yield _current
         finally:
             lt.LoadResult = orig  # type: ignore[misc]
+            lt._Conn.send = _orig_send  # type: ignore[method-assign]
             _current = None
 
 
@@ -152,6 +174,15 @@ class Run:
     def summary(self, cls: str) -> dict[str, float] | None:
         rec = self.split.by_class.get(cls)
         return rec.summary_ms() if rec and rec.count else None
+
+    def summary_fresh(self, cls: str) -> dict[str, float] | None:
+        """``summary`` of the responses of class ``cls`` that came on a new connection."""
+        rec = self.split.fresh_by_class.get(cls)
+        return rec.summary_ms() if rec and rec.count else None
+
+    def count_fresh(self, cls: str) -> int:
+        rec = self.split.fresh_by_class.get(cls)
+        return rec.count if rec else 0
 
     def within(self, cls: str, limit_s: float) -> int:
         """Responses of class ``cls`` at or under ``limit_s`` (bucket resolution, < 1 %)."""

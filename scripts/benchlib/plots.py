@@ -146,6 +146,42 @@ def plot_overload(s: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def plot_overload_sweep(s: dict[str, Any], out: Path) -> Path:
+    """ok/s and admitted p99 against offered load, one row per request shape."""
+    plt = _plt()
+    shapes = sorted({r["shape"] for r in s["rows"]})
+    cap = s["capacity"]["common_rps"]
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 3.6 * len(shapes)), squeeze=False)
+    for row_axes, shape in zip(axes, shapes):
+        rows = [r for r in s["rows"] if r["shape"] == shape]
+        for ax, (key, title, log) in zip(row_axes, (("goodput_rps", "ok/s", False),
+                                                    ("p99_admitted_ms", "p99 of 2xx (ms)", True))):
+            for srv in _servers(rows):
+                pts = sorted((r["level"], r[key]) for r in rows if r["server"] == srv and r[key]["median"] is not None)
+                if not pts:
+                    continue
+                err = [[q[1]["median"] - q[1]["min"] for q in pts], [q[1]["max"] - q[1]["median"] for q in pts]]
+                ax.errorbar([q[0] for q in pts], [q[1]["median"] for q in pts], yerr=err, marker="o", capsize=3,
+                            label=srv, color=_color(srv), ls="--" if srv.endswith("-base") else "-")
+            ax.set_title(f"{shape}: {title}", fontsize=10)
+            ax.set_xlabel("offered load (× capacity)")
+            ax.set_xticks(sorted({r["level"] for r in rows}))
+            if log:
+                ax.set_yscale("log")
+                ax.axhline(250, ls=":", color="grey", lw=0.8)
+            else:
+                ax.axhline(cap, ls=":", color="grey", lw=0.8)
+            ax.grid(alpha=0.3)
+        row_axes[0].legend(fontsize=8)
+    fig.suptitle(f"overload sweep, FastAPI, 2 workers, 20 ms requests, C = {cap:.0f} req/s, 2 s client timeout",
+                 fontsize=10)
+    fig.tight_layout()
+    path = out / "overload_sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _rebin(pts: list[Any], k: int) -> tuple[list[float], list[float]]:
     """Merge k time-line buckets (0.1 s) into one and convert to a per-second rate."""
     xs, ys = [], []
@@ -292,6 +328,8 @@ def plot_all(results: dict[str, Any], out: Path) -> list[str]:
         made.append(plot_throughput(ok["throughput"], out))
     if "overload" in ok:
         made += plot_overload(ok["overload"], out)
+    if "overload-sweep" in ok:
+        made.append(plot_overload_sweep(ok["overload-sweep"], out))
     if "resilience" in ok:
         made.append(plot_resilience(ok["resilience"], out))
         storm = plot_storm(ok["resilience"], out)

@@ -220,6 +220,28 @@ def md_model(s: dict[str, Any]) -> list[str]:
 RENDER["model"] = md_model
 
 
+def md_overload_sweep(s: dict[str, Any]) -> list[str]:
+    cap = s["capacity"]
+    lines = [f"Capacity C = **{cap['common_rps']:.1f} req/s** (median of "
+             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cap["per_server"].items(), key=lambda kv: _srv_key(kv[0])))
+             + "; closed loop on the cooperative request, measured first in this run)."
+             + (f" Restarted for still burning CPU: {s['restarts']}." if s.get("restarts") else ""), ""]
+    rows = sorted(s["rows"], key=lambda r: (r["shape"], r["level"], _srv_key(r["server"])))
+    lines += _table(
+        ["request", "load", "server", "offered/s", "ok/s", "2xx ≤ 500 ms /s", "admitted p99 ms",
+         "503 new-conn p99 ms", "shed", "timeouts"],
+        [[r["shape"], f"{r['level']:g}×", r["server"], fmt(r["offered_rps"], 0, spread=False), fmt(r["goodput_rps"]),
+          fmt(r["ok_500ms_rps"]), fmt(r["p99_admitted_ms"], 0), fmt(r["shed_new_p99_ms"], 0), _pct(r["shed_frac"]),
+          _pct(r["timeout_frac"])] for r in rows])
+    lines += ["", "Issue-32 done-when, numaserve (medians):", ""]
+    lines += [f"- {v['shape']}: {v['criterion']}: {({True: 'MET', False: 'NOT MET', None: 'no data'})[v['met']]}"
+              f" ({v['detail']})" for v in s["verdicts"]]
+    return lines
+
+
+RENDER["overload-sweep"] = md_overload_sweep
+
+
 def write_markdown(results: dict[str, Any], path: Path) -> None:
     meta = results["meta"]
     m = meta["machine"]

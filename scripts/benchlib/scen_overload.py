@@ -35,7 +35,7 @@ PATHS = {"cooperative": "/cpu20y", "blocking": "/cpu20"}
 KEYS = ("offered_rps", "goodput_rps", "slo_goodput_rps", "slo_goodput_x_capacity", "p50_admitted_ms",
         "p99_admitted_ms", "p99_over_unloaded_p50", "shed_frac", "shed_p50_ms", "shed_p99_ms", "shed_max_ms",
         "shed_under_10ms_frac", "timeout_frac", "other_fail_frac", "cpu_after_s", "idle_after_s",
-        "send_lag_p99_ms", "accept_queue_max", "unloaded_p50_ms", "slo_ms")
+        "send_lag_p99_ms", "accept_queue_max", "unloaded_p50_ms", "slo_ms", "shed_new_p99_ms", "ok_500ms_rps")
 
 
 @dataclass
@@ -122,6 +122,7 @@ def _one_level(srv: Server, p: OverloadParams, path: str, rate: float, cap: floa
     shed_n = sum(r.count(c) for c in shed)
     shed_lat = r.summary("503") or {}
     slo_ok = r.within("2xx", slo_s)
+    shed_new = r.summary_fresh("503") or {}
     lag = r.result.send_lag_hist
     return {
         "offered_rps": round(rate, 1),
@@ -137,6 +138,9 @@ def _one_level(srv: Server, p: OverloadParams, path: str, rate: float, cap: floa
         "shed_p50_ms": shed_lat.get("p50"),
         "shed_p99_ms": shed_lat.get("p99"),
         "shed_max_ms": shed_lat.get("max"),
+        "shed_new_n": r.count_fresh("503"),
+        "shed_new_p99_ms": shed_new.get("p99"),
+        "ok_500ms_rps": round(r.within("2xx", 0.5) / p.duration_s, 1),
         "shed_under_10ms_frac": None if not r.count("503") else round(r.fraction_under("503", 0.010) or 0.0, 3),
         "timeout_frac": round(r.result.errors["timeout"] / sent, 3) if sent else None,
         "other_fail_frac": round((r.result.error_count - r.result.errors["timeout"]

@@ -231,6 +231,25 @@ def test_stall_excess_keeps_what_the_loop_would_admit() -> None:
     assert g.stall_excess(t, 0.05, 6) == 6 - 1        # past overload_wait_s: stall_queue only
 
 
+def test_stall_excess_counts_the_work_queued_behind_the_call() -> None:
+    """Issue 32: what stays in the accept queue is what the gate admits once the loop is back,
+    after the call running now and the requests already waiting behind it; the rest is answered
+    by the sentinel at once instead of by the loop a call and an iteration later."""
+    g = gate(stall_queue=1, stall_after_s=0.002, overload_wait_s=0.04)
+    g.try_admit(0.0)
+    t = busy_for(g, 0.1, 2.0)
+    assert g.overloaded(t)
+    g.waiting = 1                                     # only the running 20 ms call
+    assert g.stall_excess(t, 0.003, 6) == 6 - 2       # back in 17 ms: ceil(23 / 20) = 2 stay
+    assert g.stall_excess(t, 0.019, 6) == 6 - 2       # back in 1 ms: ceil(39 / 20) = 2 stay
+    g.waiting = 2                                     # one more queued behind it
+    assert g.stall_excess(t, 0.003, 6) == 6 - 1       # back in 37 ms: 1 stays
+    g.waiting = 3                                     # two queued: the loop has its work
+    assert g.stall_excess(t, 0.003, 6) == 6           # back in 57 ms: none stays, not even stall_queue
+    g.waiting = 1
+    assert g.stall_excess(t, 0.06, 6) == 6 - 1        # 3 x the learnt cost: back in ~60 ms, stall_queue
+
+
 def test_probe_period_short_while_busy_long_while_idle() -> None:
     g = gate()
     for i in range(10):
