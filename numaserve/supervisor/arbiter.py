@@ -150,7 +150,6 @@ class Supervisor:
                                    on_exit=self._stop_probe)
         self.cmd_ready = ExternalReadiness(self, self.lifecycle, lambda: self.steering, lambda: self.listeners)
         self.limits = LimitsManager(self)
-        self.templates = TemplateManager(self)            # per-node warm templates ([worker] start = "fork")
         self.leakwatch = LeakWatch(self, self.operations)
         self.agerecycle = AgeRecycle(self, self.operations)   # worker.max_requests / max_lifetime
         self.locality = LocalityWatch(self, self.operations, self._node_cpus)   # [placement] locality/repair
@@ -189,6 +188,9 @@ class Supervisor:
         self.messages = WorkerMessageHandler(self, self.lifecycle, self.channel, on_hello=self.limits.on_hello,
                                              signal=lambda w, sig: self._signal(w, sig))
         self.notifier = Notifier()
+        self.templates = TemplateManager(             # per-node warm templates ([worker] start = "fork")
+            self, [p for p in plan.slots], policy=self.policy, notifier=self.notifier, progress_file=self.progress_file,
+            gpus=lambda: self.topology.gpus if self.topology else ())
         self.stopper = StopSequence(self, self.lifecycle, self.notifier, self.readyz_probes,
                                     close_listeners=lambda: self.listeners.close())
         from numaserve.log import add_event_sink
