@@ -51,8 +51,8 @@ LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.bind.launch: binding or exec failed
 LAUNCH_EXIT_NOT_FOUND = 127
 
 
-#: (slot plan, generation, now) -> the started worker; raises OSError/NumaserveError.
-SpawnWorker = Callable[[SlotPlan, int, float], S.WorkerProc]
+#: (live config, slot plan, generation, now) -> the started worker; raises OSError/NumaserveError.
+SpawnWorker = Callable[[Config, SlotPlan, int, float], S.WorkerProc]
 
 
 def process_frozen(pid: int) -> bool:
@@ -126,7 +126,7 @@ class Lifecycle:
     def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
         """Start the slot's next generation (raises OSError/NumaserveError)."""
         slot.generation += 1
-        w = self.spawn_worker(slot.plan, slot.generation, now)
+        w = self.spawn_worker(self.cfg, slot.plan, slot.generation, now)
         if not w.external:
             w.load = LoadProgress.begin(w.started)
             w.cgroup = self.cgroup_of(w.pid)
