@@ -54,6 +54,7 @@ from numaserve.supervisor.lifecycle import (  # noqa: F401  (exit statuses: re-e
     EXIT_NO_SLOT,
     EXIT_OK,
     EXIT_USAGE,
+    Lifecycle,
 )
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.localitywatch import LocalityWatch
@@ -62,7 +63,6 @@ from numaserve.supervisor.operations import Operations
 from numaserve.supervisor.opsplane import OpsPlane
 from numaserve.supervisor.reload import Reloader
 from numaserve.supervisor.routing import Router
-from numaserve.supervisor.slottable import SlotTable
 from numaserve.supervisor.spawner import Spawner, progress_file
 from numaserve.supervisor.statusview import slot_statuses, supervisor_status
 from numaserve.supervisor.stopseq import ACCEPT_SETTLE_MAX_S, StopSequence  # noqa: F401  (re-exported)
@@ -118,10 +118,9 @@ class Supervisor:
         slots = {p.slot: S.SlotState(plan=p, restart=RestartState(policy)) for p in plan.slots}
         self.channel = WorkerChannel(slots)
         self.spawner = Spawner(runtime, self.channel, topology=topology)
-        self.table = SlotTable(cfg, slots, policy, spawn_worker=self.spawner, wake=asyncio.Event(),
+        self.table = Lifecycle(cfg, slots, policy, spawn_worker=self.spawner, wake=asyncio.Event(),
                                started=time.monotonic(), send_message=self.channel.send_soon,
-                               on_spawn_error=lambda e: self.plane.note_fd_exhaustion("spawn", e),
-                               on_exit=lambda w: self.cmd_ready.stop(w))
+                               on_spawn_error=lambda e: self.plane.note_fd_exhaustion("spawn", e))
         self.limits = LimitsManager(self.table, self.channel)
         self.messages = WorkerMessageHandler(self.table, self.channel, on_hello=self.limits.on_hello)
         self.plane = OpsPlane(cfg, runtime, count_bad=self.messages.count_bad)
@@ -141,6 +140,7 @@ class Supervisor:
         self.spawner.templates = self.templates
         self.queue_shed: QueueShed | None = None  # 503s from an overloaded worker's accept queue (doorshed)
         self.cmd_ready = ExternalReadiness(self.table, lambda: self.router.steering, lambda: self.router.listeners)
+        self.table.on_exit = self.cmd_ready.stop     # a probe ends with its worker
         self.watches = SecondWatches(
             LeakWatch(self.table, self.channel, self.operations),
             AgeRecycle(self.table, self.operations),

@@ -1,9 +1,10 @@
-"""The slot table: the one owner of slot and worker lifecycle state.
+"""The slot table: the one owner of slot and worker lifecycle state, and its verbs.
 
-``Lifecycle`` (its base) runs what the supervision loop does on its own:
-spawn, reap, backoff, watchdog, readiness.  The table adds what operators and
-the guards ask for, as verbs, so nothing else writes a slot's state:
+Everything that changes a slot goes through a verb here, or through
+``lifecycle.Lifecycle`` (the table with the loop's own judgments: reap,
+backoff, watchdog, readiness), so nothing else writes a slot's state:
 
+    start:                        start_worker → (Ready) on_ready → mark_ready
     restart (make before break):  start_incoming → (wait ready) → promote → retire
     drain / undrain:              begin_drain → retire each worker → end_drain;  undrain
     stop:                         begin_stop → stop_all (or kill_all) → settle_stopped
@@ -15,30 +16,131 @@ module stores to a slot's or worker's lifecycle fields.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
+import structlog
+
+from numaserve.bind.placement import SlotPlan
 from numaserve.config import Config
 from numaserve.control import messages as m
+from numaserve.errors import NumaserveError
+from numaserve.supervisor import exits as X
 from numaserve.supervisor import slots as S
-from numaserve.supervisor.backoff import RestartPolicy
-from numaserve.supervisor.lifecycle import Lifecycle, SpawnWorker
+from numaserve.supervisor.loadwatch import LoadProgress
 
-__all__ = ["SlotTable", "SendMessage"]
+__all__ = ["SendMessage", "SlotTable", "SpawnWorker"]
 
+log = structlog.get_logger("numaserve.supervisor")
+
+#: (live config, slot plan, generation, now) -> the started worker; raises OSError/NumaserveError.
+SpawnWorker = Callable[[Config, SlotPlan, int, float], S.WorkerProc]
 #: (worker, message) -> sent without waiting (``channel.WorkerChannel.send_soon``).
 SendMessage = Callable[[S.WorkerProc, m.Msg], None]
 
 
-class SlotTable(Lifecycle):
-    """Every slot's state and its transitions; the supervisor, operations, guards and stop use its verbs."""
+class SlotTable:
+    """Every slot's state and the verbs that change it; ``lifecycle.Lifecycle`` adds the loop's judgments.
 
-    def __init__(self, cfg: Config, slots: dict[int, S.SlotState], policy: RestartPolicy, *,
-                 spawn_worker: SpawnWorker, wake: asyncio.Event, started: float, send_message: SendMessage,
-                 **seams: Any) -> None:
-        super().__init__(cfg, slots, policy, spawn_worker=spawn_worker, wake=wake, started=started, **seams)
+    ``spawn_failed`` is the one judgment a verb needs (a spawn that raised): the lifecycle decides it.
+    """
+
+    def __init__(self, cfg: Config, slots: dict[int, S.SlotState], *, spawn_worker: SpawnWorker,
+                 wake: asyncio.Event, started: float, send_message: SendMessage,
+                 send_signal: Callable[[int, int], None] = os.kill,
+                 on_spawn_error: Callable[[BaseException], None] = lambda e: None,
+                 cgroup_of: Callable[[int], str | None] = X.cgroup_dir) -> None:
+        self.cfg = cfg                      # the live config (a reload replaces it)
+        self.slots = slots
+        self.spawn_worker = spawn_worker
+        self.wake = wake
+        self.started = started
         self.send_message = send_message
+        self.send_signal = send_signal
+        self.on_spawn_error = on_spawn_error
+        self.cgroup_of = cgroup_of
+        self.stopping = False
+        self.forced_kills = False
+
+    def spawn_failed(self, slot: S.SlotState, now: float, error: BaseException) -> None:
+        raise NotImplementedError("the lifecycle judges a failed spawn")
+
+    # ---------------------------------------------------------- spawn, ready
+
+    def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
+        """Start the slot's next generation (raises OSError/NumaserveError)."""
+        slot.generation += 1
+        w = self.spawn_worker(self.cfg, slot.plan, slot.generation, now)
+        if not w.external:
+            w.load = LoadProgress.begin(w.started)
+            w.cgroup = self.cgroup_of(w.pid)
+            w.oom_base = X.cgroup_oom_kills(w.cgroup) if w.cgroup else None
+        return w
+
+    def start_worker(self, slot: S.SlotState, now: float) -> None:
+        try:
+            slot.worker = self.spawn_generation(slot, now)
+        except (OSError, NumaserveError) as e:
+            log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
+            self.on_spawn_error(e)
+            self.spawn_failed(slot, now, e)
+            return
+        slot.state = S.STARTING
+        slot.next_retry = None
+
+    def on_ready(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
+        if w.ready is not None:
+            return
+        w.ready = now
+        w.ready_evt.set()
+        self.forget_progress(w)
+        if w is slot.worker and not self.stopping and w.stop_sent is None:
+            self.mark_ready(slot, now)
+        elif w is slot.incoming:
+            log.info("worker_ready", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
+                     boot_s=round(now - w.started, 3), role="incoming",
+                     **({"probe": w.probe_note} if w.external else {}))
+
+    def mark_ready(self, slot: S.SlotState, now: float) -> None:
+        slot.state = S.READY
+        slot.ever_ready = True
+        slot.down_since = None
+        slot.failed_reason = None
+        slot.next_retry = None
+        if slot.retrying:  # a failed slot came back: its crash history is over
+            slot.retrying = False
+            slot.restart.reset()
+        w = slot.worker
+        log.info(
+            "worker_ready",
+            slot=slot.plan.slot,
+            pid=w.pid if w else None,
+            generation=w.generation if w else None,
+            boot_s=round(now - w.started, 3) if w else None,
+            **({"probe": w.probe_note} if w and w.external else {}),
+        )
+
+    @staticmethod
+    def forget_progress(w: S.WorkerProc) -> None:
+        """The progress file is only read while the worker loads: remove it once it is ready or gone."""
+        if w.progress_path:
+            try:
+                os.unlink(w.progress_path)
+            except OSError:
+                pass
+            w.progress_path = None
+
+    def kill(self, w: S.WorkerProc, now: float) -> None:
+        self.signal(w, signal.SIGKILL)
+        w.kill_sent = now
+
+    def signal(self, w: S.WorkerProc, sig: int) -> None:
+        try:
+            self.send_signal(w.pid, sig)
+        except ProcessLookupError:
+            pass
 
     # ------------------------------------------------------------ operations
 

@@ -17,8 +17,8 @@ from numaserve.config import Config
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
 from numaserve.control import messages as m
+from numaserve.supervisor.lifecycle import Lifecycle
 from numaserve.supervisor.operations import Operation, Operations
-from numaserve.supervisor.slottable import SlotTable
 
 _pids = itertools.count(40000)
 
@@ -43,8 +43,8 @@ def plans(n: int, nodes: int = 1) -> list[SlotPlan]:
             for i in range(n)]
 
 
-class FakeSlots(SlotTable):
-    """SlotControl + Routing + WorkerChannel for tests: a real SlotTable, fake processes, recorded verbs.
+class FakeSlots(Lifecycle):
+    """SlotControl + Routing + WorkerChannel for tests: a real slot table, fake processes, recorded verbs.
 
     ``auto_ready``: a spawned worker reports Ready on the next loop turn;
     ``exit_on_stop``: a worker told to stop exits (code 0) on the next loop turn.
