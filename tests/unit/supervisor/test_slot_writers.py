@@ -14,7 +14,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from numaserve.supervisor.slots import SlotState, WorkerProc
+from numaserve.supervisor.slots import SlotState
 
 ROOT = Path(__file__).resolve().parents[3] / "numaserve"
 
