@@ -192,8 +192,8 @@ def start(
         sup.close()
         raise
     code = asyncio.run(_serve(sup))
-    if sup.fatal:
-        click.echo(f"numaserve: error: {sup.fatal}", err=True)
+    if sup.table.fatal:
+        click.echo(f"numaserve: error: {sup.table.fatal}", err=True)
     ctx.exit(code)
 
 

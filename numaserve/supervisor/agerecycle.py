@@ -97,7 +97,7 @@ class AgeRecycle:
         log.info("worker_recycle", slot=slot.plan.slot, pid=w.pid, generation=w.generation, reason=reason)
         try:
             op = self.operations.start(kind, {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
-                                       lambda op: self._recycle(op, slot, reason))
+                                       lambda op: self.operations.recycle(op, slot, reason))
         except Exception as e:  # another operation won the race: due again at the next tick
             log.info("worker_recycle_deferred", slot=slot.plan.slot, why=str(e))
             return
@@ -109,11 +109,6 @@ class AgeRecycle:
         if op.state != "succeeded":
             self.not_before[slot] = time.monotonic() + RETRY_AFTER_FAILURE
             log.warning("worker_recycle_failed", slot=slot, result=op.result, retry_in_s=RETRY_AFTER_FAILURE)
-
-    async def _recycle(self, op: Any, slot: S.SlotState, reason: str) -> str:
-        slot.last_restart_reason = reason
-        await self.operations.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
-        return f"slot {slot.plan.slot} recycled ({reason})"
 
 
 __all__ = ["AgeRecycle", "Limits", "draw_limits", "due_reason", "LIFETIME_JITTER"]

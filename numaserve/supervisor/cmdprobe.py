@@ -14,9 +14,8 @@ import structlog
 from numaserve.net.listeners import ListenerSet
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.cmdready import parse_ready
-from numaserve.supervisor.lifecycle import Lifecycle
 from numaserve.supervisor.probe import probe_slot, process_tree
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slottable import SlotTable
 from numaserve.supervisor.steer import Steering
 
 __all__ = ["ExternalReadiness"]
@@ -25,10 +24,9 @@ log = structlog.get_logger("numaserve.supervisor")
 
 
 class ExternalReadiness:
-    def __init__(self, ctl: SlotControl, lifecycle: Lifecycle, steering: Callable[[], Steering | None],
+    def __init__(self, table: SlotTable, steering: Callable[[], Steering | None],
                  listeners: Callable[[], ListenerSet]) -> None:
-        self.ctl = ctl
-        self.lifecycle = lifecycle
+        self.table = table
         self.steering = steering          # set (or not) when the supervisor opens
         self.listeners = listeners
         self.tasks: dict[int, asyncio.Task[None]] = {}   # id(worker) -> its probe loop
@@ -36,14 +34,14 @@ class ExternalReadiness:
     def check(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
         """External commands have no control channel: the supervisor probes the
         slot (``[cmd] ready``) until the new process accepts (and answers)."""
-        spec = parse_ready(self.ctl.cfg.cmd.ready)
+        spec = parse_ready(self.table.cfg.cmd.ready)
         # a unix-only bind has no slot's own queue to route a probe to: the alive rule
         if spec.kind == "alive" or self.steering() is None or self.steering().paused \
                 or not self.listeners().by_slot.get(slot.plan.slot):
-            limit = self.ctl.cfg.supervisor.ready_timeout
+            limit = self.table.cfg.supervisor.ready_timeout
             if now - w.started >= (min(1.0, limit) if limit > 0 else 1.0):
                 w.last_beat = now
-                self.lifecycle.on_ready(slot, w, now)
+                self.table.on_ready(slot, w, now)
             return
         if id(w) not in self.tasks:
             self.tasks[id(w)] = asyncio.get_running_loop().create_task(
@@ -53,9 +51,9 @@ class ExternalReadiness:
         steering = self.steering()
         assert steering is not None
         lst = self.listeners().by_slot[slot.plan.slot][0]
-        c = self.ctl.cfg.cmd
+        c = self.table.cfg.cmd
         try:
-            while w.ready is None and w.popen.poll() is None and not self.ctl.stopping:
+            while w.ready is None and w.popen.poll() is None and not self.table.stopping:
                 res = await probe_slot(steering, lst, slot.plan.slot, lambda: process_tree(w.pid), spec,
                                        c.probe_timeout)
                 if res.note != w.probe_note:
@@ -64,8 +62,8 @@ class ExternalReadiness:
                 if res.ok and w.popen.poll() is None:
                     now = time.monotonic()
                     w.last_beat = now
-                    self.lifecycle.on_ready(slot, w, now)
-                    self.ctl.wake.set()
+                    self.table.on_ready(slot, w, now)
+                    self.table.wake.set()
                     return
                 await asyncio.sleep(c.probe_interval)
         finally:

@@ -63,8 +63,9 @@ __all__ = [
 log = structlog.get_logger("numaserve.ops")
 
 
-class OpsServer(OpsTarget, Protocol):
-    """What serving the ops sockets needs beyond the verbs: key check, rate limit, the bad-message count."""
+class OpsGate(Protocol):
+    """What serving the ops sockets needs beyond the verbs (``opsplane.OpsPlane``): key check, rate limit,
+    the bad-message count."""
 
     curve_keys: AuthorizedKeys | None
     ops_limiter: PeerRateLimiter
@@ -199,7 +200,7 @@ class Admitted:
     key: tuple[Any, ...]
 
 
-def admit(sup: OpsServer, frames: Sequence[Any], channel: str) -> Admitted | Answer | None:
+def admit(sup: OpsGate, frames: Sequence[Any], channel: str) -> Admitted | Answer | None:
     """Check one request (framing, CURVE key, rate limit, decoding) without running it.  Never raises.
 
     None: nothing to reply to.  Cheap on purpose: a flood is answered here.
@@ -257,14 +258,14 @@ class StatusCache:
         self._at = -1e18
         self._value: Any = None
 
-    def get(self, sup: OpsServer) -> Any:
+    def get(self, sup: OpsTarget) -> Any:
         now = time.monotonic()
         if now - self._at >= self.ttl:
             self._value, self._at = sup.status(), now
         return self._value
 
 
-async def execute(sup: OpsServer, adm: Admitted, channel: str, *, readonly: bool = False,
+async def execute(sup: OpsTarget, gate: OpsGate, adm: Admitted, channel: str, *, readonly: bool = False,
                   status_cache: StatusCache | None = None) -> list[bytes] | None:
     """Run an admitted request -> its reply frames.  Never raises (but is cancellable).
 
@@ -286,23 +287,23 @@ async def execute(sup: OpsServer, adm: Admitted, channel: str, *, readonly: bool
             return adm.envelope + [_encode_reply(m.OpsReply(ok=True, id=req.id, result=status_cache.get(sup)))]
         reply = await handle_ops_request(sup, req, channel=channel, readonly=readonly, who=adm.who)
         if isinstance(req.verb, str) and req.verb in MUTATING:
-            sup.wake.set()
+            sup.table.wake.set()
         return adm.envelope + [_encode_reply(reply)]
     except asyncio.CancelledError:
         raise
     except Exception as e:  # a bug here must not end the ops loop
         log.exception("ops_frames_error", channel=channel)
-        sup.count_bad("ops", f"{type(e).__name__}: {e}")
+        gate.count_bad("ops", f"{type(e).__name__}: {e}")
         return None
 
 
-async def on_ops_frames(sup: OpsServer, frames: Sequence[Any], channel: str, *,
+async def on_ops_frames(sup: OpsTarget, gate: OpsGate, frames: Sequence[Any], channel: str, *,
                         readonly: bool = False) -> list[bytes] | None:
     """One ops request → the reply frames (None: nothing to reply to), no delay.  Never raises."""
-    got = admit(sup, frames, channel)
+    got = admit(gate, frames, channel)
     if got is None or isinstance(got, Answer):
         return None if got is None else got.frames
-    return await execute(sup, got, channel, readonly=readonly)
+    return await execute(sup, gate, got, channel, readonly=readonly)
 
 
 async def _messages(sock: zmq.asyncio.Socket, what: str) -> AsyncIterator[list[Any]]:
@@ -334,8 +335,8 @@ def _send(sock: zmq.asyncio.Socket, out: list[bytes] | None) -> None:
         fut.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
-async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, readonly: bool = False,
-                    inflight: InFlight | None = None) -> None:
+async def serve_ops(sup: OpsTarget, gate: OpsGate, sock: zmq.asyncio.Socket, channel: str, *,
+                    readonly: bool = False, inflight: InFlight | None = None) -> None:
     """Serve one ops socket: every admitted request in its own task (bounded by ``InFlight``).
 
     Checks and refusals are answered from this loop; rate-limited replies go
@@ -354,11 +355,11 @@ async def serve_ops(sup: OpsServer, sock: zmq.asyncio.Socket, channel: str, *, r
         delayed.add(handle)
 
     async def run(adm: Admitted) -> None:
-        _send(sock, await execute(sup, adm, channel, readonly=readonly, status_cache=cache))
+        _send(sock, await execute(sup, gate, adm, channel, readonly=readonly, status_cache=cache))
 
     try:
         async for frames in _messages(sock, "ops"):
-            got = admit(sup, frames, channel)
+            got = admit(gate, frames, channel)
             if isinstance(got, Answer):
                 if got.delay > 0 and len(delayed) < DELAYED_MAX:
                     later(got.delay, got.frames)

@@ -30,7 +30,7 @@ import structlog
 from numaserve.loops.leak import LeakDetector, Verdict, resolve_budget
 
 from numaserve.supervisor.operations import Operations
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slotcontrol import SlotControl, WorkerChannel
 from numaserve.supervisor.slots import SlotState, WorkerProc
 
 log = structlog.get_logger("numaserve.leak")
@@ -137,8 +137,9 @@ def recycle_deferral(s: Any, *, now: float, node: int, times: deque[float], last
 
 
 class LeakWatch:
-    def __init__(self, ctl: SlotControl, operations: Operations) -> None:
+    def __init__(self, ctl: SlotControl, channel: WorkerChannel, operations: Operations) -> None:
         self.ctl = ctl
+        self.channel = channel
         self.operations = operations   # a recycle is a tracked replace_slot operation
         self.watched: dict[int, Watched] = {}       # slot -> current worker's detector
         self.recycles: dict[int, deque[float]] = {}  # node -> recycle times (last hour)
@@ -232,9 +233,9 @@ class LeakWatch:
     def _judge(self, slot: "SlotState", w: "WorkerProc", wd: Watched, v: Verdict, now: float) -> None:
         self._record(slot, wd, v)
         if v.kind == "hard_cap":
-            w.kill_reason = f"hard memory cap: {v.detail}"
-            log.error("leak_kill", slot=slot.plan.slot, pid=w.pid, reason=w.kill_reason)
-            self.ctl.kill(w, now)
+            reason = f"hard memory cap: {v.detail}"
+            log.error("leak_kill", slot=slot.plan.slot, pid=w.pid, reason=w.kill_reason or reason)
+            self.ctl.abort(w, reason, now)
             return
         if v.kind == "suspect" and v.trim:
             wd.trimming = True
@@ -247,7 +248,7 @@ class LeakWatch:
 
     async def _trim(self, slot: "SlotState", w: "WorkerProc", wd: Watched) -> None:
         try:
-            res = await self.ctl.broadcast_one(w, "trim", {}, timeout=10.0)
+            res = await self.channel.broadcast_one(w, "trim", {}, timeout=10.0)
             await asyncio.sleep(0.5)
             rss = read_statm_rss(w.pid) or w.rss_bytes
             uss = read_smaps_rollup(w.pid).get("Uss")
@@ -299,16 +300,11 @@ class LeakWatch:
         try:
             self.operations.start(
                 "leak", {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
-                lambda op: self._recycle(op, slot, reason),
+                lambda op: self.operations.recycle(op, slot, reason),
             )
         except Exception as e:  # another operation won the race: try again at the next verdict
             wd.recycling = False
             log.warning("leak_recycle_deferred", slot=slot.plan.slot, why=str(e))
-
-    async def _recycle(self, op: Any, slot: "SlotState", reason: str) -> str:
-        slot.last_restart_reason = reason
-        await self.operations.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
-        return f"slot {slot.plan.slot} recycled ({reason})"
 
     def status(self, slot: "SlotState") -> dict[str, Any]:
         wd = self.watched.get(slot.plan.slot)

@@ -9,10 +9,12 @@ once (then paced), never FAILED.  The watchdog turns a stalled load
 operator's ready deadline or silent heartbeats into SIGABRT then SIGKILL;
 ``verify`` compares what /proc shows with the plan.
 
-No sockets here and no process creation: a worker is started through the
-``SpawnWorker`` callable the supervisor passes in (the one seam that turns a
-slot plan into a running process), and signals go through ``send_signal``,
-so the state machine runs in unit tests on fake processes.
+``Lifecycle`` is the slot table (``slottable.SlotTable``: the state and the
+verbs that change it) with these judgments on top.  No sockets here and no
+process creation: a worker is started through the ``SpawnWorker`` callable
+the supervisor passes in (the one seam that turns a slot plan into a running
+process), and signals go through ``send_signal``, so the state machine runs
+in unit tests on fake processes.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from typing import Callable
 import structlog
 
 from numaserve.config import Config
-from numaserve.errors import NumaserveError
-from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor import exits as X
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy
 from numaserve.supervisor.leakwatch import read_statm_rss
 from numaserve.supervisor.loadwatch import LoadProgress, ProcSample, load_verdict, read_sample, read_tree_sample
+from numaserve.supervisor.slottable import SendMessage, SlotTable, SpawnWorker  # noqa: F401  (SpawnWorker: re-exported)
 from numaserve.progress import read_progress
 
 log = structlog.get_logger("numaserve.supervisor")
@@ -49,10 +50,6 @@ LOADING_LOG_S = 20.0
 WORKER_EXIT_APP_LOAD = 3       # numaserve.worker.main.EXIT_APP_LOAD_FAILED
 LAUNCH_EXIT_BIND_FAILED = 126  # numaserve.bind.launch: binding or exec failed
 LAUNCH_EXIT_NOT_FOUND = 127
-
-
-#: (slot plan, generation, now) -> the started worker; raises OSError/NumaserveError.
-SpawnWorker = Callable[[SlotPlan, int, float], S.WorkerProc]
 
 
 def process_frozen(pid: int) -> bool:
@@ -82,12 +79,13 @@ def describe_exit(code: int | None) -> str:
     return f"exit {code}"
 
 
-class Lifecycle:
-    """Owns the slots' state transitions; the supervisor's loop calls its verbs every tick."""
+class Lifecycle(SlotTable):
+    """The slot table with the loop's own judgments: reap and classify exits, back off or fail,
+    retry, watch for hangs, verify bindings, and say whether the service is ready."""
 
     def __init__(
         self, cfg: Config, slots: dict[int, S.SlotState], policy: RestartPolicy, *, spawn_worker: SpawnWorker,
-        wake: asyncio.Event, started: float,
+        wake: asyncio.Event, started: float, send_message: SendMessage,
         send_signal: Callable[[int, int], None] = os.kill,
         on_spawn_error: Callable[[BaseException], None] = lambda e: None,
         on_exit: Callable[[S.WorkerProc], None] = lambda w: None,
@@ -97,22 +95,15 @@ class Lifecycle:
         tree_sample: Callable[[int], ProcSample | None] = read_tree_sample,
         cgroup_of: Callable[[int], str | None] = X.cgroup_dir,
     ) -> None:
-        self.cfg = cfg
-        self.slots = slots
+        super().__init__(cfg, slots, spawn_worker=spawn_worker, wake=wake, started=started,
+                         send_message=send_message, send_signal=send_signal, on_spawn_error=on_spawn_error,
+                         cgroup_of=cgroup_of)
         self.policy = policy
-        self.spawn_worker = spawn_worker
-        self.wake = wake
-        self.started = started
-        self.send_signal = send_signal
-        self.on_spawn_error = on_spawn_error
         self.on_exit = on_exit
         self.oom_count = oom_count
         self.frozen = frozen
         self.sample = sample
         self.tree_sample = tree_sample
-        self.cgroup_of = cgroup_of
-        self.stopping = False
-        self.forced_kills = False
         self.fatal: str | None = None
         self.exit_code = EXIT_OK
         self.all_ready_logged = False
@@ -123,26 +114,9 @@ class Lifecycle:
         # pages per node in turn): a full read of 32 workers costs ~0.1 s of CPU
         self.placement = PlacementReader()
 
-    def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
-        """Start the slot's next generation (raises OSError/NumaserveError)."""
-        slot.generation += 1
-        w = self.spawn_worker(slot.plan, slot.generation, now)
-        if not w.external:
-            w.load = LoadProgress.begin(w.started)
-            w.cgroup = self.cgroup_of(w.pid)
-            w.oom_base = X.cgroup_oom_kills(w.cgroup) if w.cgroup else None
-        return w
-
-    def start_worker(self, slot: S.SlotState, now: float) -> None:
-        try:
-            slot.worker = self.spawn_generation(slot, now)
-        except (OSError, NumaserveError) as e:
-            log.error("spawn_failed", slot=slot.plan.slot, error=str(e))
-            self.on_spawn_error(e)
-            self._after_exit(slot, now, 0.0, f"spawn failed: {e}", kind=X.BOOT)
-            return
-        slot.state = S.STARTING
-        slot.next_retry = None
+    def spawn_failed(self, slot: S.SlotState, now: float, error: BaseException) -> None:
+        """A spawn that raised counts as a boot failure: backoff, or the slot fails."""
+        self._after_exit(slot, now, 0.0, f"spawn failed: {error}", kind=X.BOOT)
 
     def reap(self, now: float) -> None:
         for slot in self.slots.values():
@@ -272,38 +246,6 @@ class Lifecycle:
                 slot.retrying = True
                 self.start_worker(slot, now)
 
-    def on_ready(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
-        if w.ready is not None:
-            return
-        w.ready = now
-        w.ready_evt.set()
-        self.forget_progress(w)
-        if w is slot.worker and not self.stopping and w.stop_sent is None:
-            self.mark_ready(slot, now)
-        elif w is slot.incoming:
-            log.info("worker_ready", slot=slot.plan.slot, pid=w.pid, generation=w.generation,
-                     boot_s=round(now - w.started, 3), role="incoming",
-                     **({"probe": w.probe_note} if w.external else {}))
-
-    def mark_ready(self, slot: S.SlotState, now: float) -> None:
-        slot.state = S.READY
-        slot.ever_ready = True
-        slot.down_since = None
-        slot.failed_reason = None
-        slot.next_retry = None
-        if slot.retrying:  # a failed slot came back: its crash history is over
-            slot.retrying = False
-            slot.restart.reset()
-        w = slot.worker
-        log.info(
-            "worker_ready",
-            slot=slot.plan.slot,
-            pid=w.pid if w else None,
-            generation=w.generation if w else None,
-            boot_s=round(now - w.started, 3) if w else None,
-            **({"probe": w.probe_note} if w and w.external else {}),
-        )
-
     def watchdog(self, now: float) -> None:
         sup = self.cfg.supervisor
         for slot in self.slots.values():
@@ -384,16 +326,6 @@ class Lifecycle:
         return (f"OOM-killed (memory.events oom_kill {w.oom_base} -> {count} in {w.cgroup}; "
                 f"memory.max {limit}; peak RSS seen {peak / 1048576:.0f} MiB)")
 
-    @staticmethod
-    def forget_progress(w: S.WorkerProc) -> None:
-        """The progress file is only read while the worker loads: remove it once it is ready or gone."""
-        if w.progress_path:
-            try:
-                os.unlink(w.progress_path)
-            except OSError:
-                pass
-            w.progress_path = None
-
     def all_down(self) -> bool:
         """No slot serves and every slot that should has failed since it last served (or ever)."""
         slots = [s for s in self.slots.values() if not s.drained]
@@ -422,16 +354,6 @@ class Lifecycle:
                      away_s=round(now - w.unresponsive_since, 3))
             w.unresponsive_since = None
             w.stopped_outside = False
-
-    def kill(self, w: S.WorkerProc, now: float) -> None:
-        self.signal(w, signal.SIGKILL)
-        w.kill_sent = now
-
-    def signal(self, w: S.WorkerProc, sig: int) -> None:
-        try:
-            self.send_signal(w.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def verify(self, now: float) -> None:
         from numaserve.bind.verify import check_placement

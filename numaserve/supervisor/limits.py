@@ -26,7 +26,7 @@ from numaserve.loops.supervisor_limits import (
 )
 from numaserve.worker.stats import BUCKET_UPPER_MS
 
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slotcontrol import SlotControl, WorkerChannel
 from numaserve.supervisor.slots import SlotState, WorkerProc
 
 log = structlog.get_logger("numaserve.limits")
@@ -57,8 +57,9 @@ def _add(into: list[int], counts: list[int]) -> None:
 
 
 class LimitsManager:
-    def __init__(self, ctl: SlotControl) -> None:
+    def __init__(self, ctl: SlotControl, channel: WorkerChannel) -> None:
         self.ctl = ctl
+        self.channel = channel
         now = time.monotonic()
         nodes = sorted({s.plan.node for s in ctl.slots.values()})
         self.loops = {n: LimitsLoop(ctl.cfg.limits, now) for n in nodes}
@@ -219,7 +220,7 @@ class LimitsManager:
                 if w is not None and w.identity is not None and not w.external and w.popen.poll() is None:
                     waits.append((slot, w, args))
                     self._pushed[(slot, w.generation)] = (args, time.monotonic())
-        results = await self.ctl.command_each(waits, "set_limits", timeout=timeout) if waits else []
+        results = await self.channel.command_each(waits, "set_limits", timeout=timeout) if waits else []
         out: dict[str, Any] = {}
         for (slot, w, _), res in zip(waits, results):
             key = str(slot) if w is self.ctl.slots[slot].worker else f"{slot}/incoming"
@@ -255,7 +256,7 @@ class LimitsManager:
             if last is not None and not renew_due(last[0], args, last[1], now):
                 continue
             self._pushed[key] = (args, now)
-            self.ctl.send_command(w, "set_limits", args)
+            self.channel.send_command(w, "set_limits", args)
         if len(self._pushed) > 4 * max(1, len(self.ctl.slots)):   # generations come and go
             live = {(n, w.generation) for n, sl in self.ctl.slots.items() for w in sl.workers()}
             self._pushed = {k: v for k, v in self._pushed.items() if k in live}
@@ -265,7 +266,7 @@ class LimitsManager:
         args = self.args_for(slot.plan.slot)
         if args is not None:
             self._pushed[(slot.plan.slot, w.generation)] = (args, time.monotonic())
-            self.ctl.send_command(w, "set_limits", args)
+            self.channel.send_command(w, "set_limits", args)
 
     # --------------------------------------------------------------- operator
 

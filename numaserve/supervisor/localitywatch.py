@@ -172,17 +172,12 @@ class LocalityWatch:
         reason = f"locality: {ratio:.1%} of its anonymous memory on node(s) {','.join(map(str, sample.nodes))}"
         try:
             self.operations.start("locality", {"slot": slot.plan.slot, "reason": reason}, [slot.plan.slot],
-                                  lambda op: self._replace(op, slot, reason))
+                                  lambda op: self.operations.recycle(op, slot, reason))
         except Exception as e:  # another operation won the race: asked again on the next low sample
             log.info("locality_repair_deferred", slot=slot.plan.slot, pid=w.pid, action="recycle", why=str(e))
             return
         log.warning("locality_repair", slot=slot.plan.slot, pid=w.pid, action="recycle", local_ratio=ratio)
         self._record(slot, w, "recycle", sample, result="started")
-
-    async def _replace(self, op: Any, slot: SlotState, reason: str) -> str:
-        slot.last_restart_reason = reason
-        await self.operations.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
-        return f"slot {slot.plan.slot} recycled ({reason})"
 
     # ------------------------------------------------------------------- status
 

@@ -43,6 +43,7 @@ class Notifier:
         self.last_extend: float | None = None
         self.created = time.monotonic()
         self.ready_sent = False
+        self.last_line = ""                       # the STATUS= last sent (a new one only when it changes)
         self._sock: socket.socket | None = None
 
     @property

@@ -31,7 +31,7 @@ import structlog
 
 from numaserve.errors import NumaserveError
 from numaserve.supervisor import slots as S
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slotcontrol import Routing, SlotControl
 
 log = structlog.get_logger("numaserve.operations")
 
@@ -80,8 +80,9 @@ class Operation:
 class Operations:
     """The supervisor's operation registry and runner."""
 
-    def __init__(self, ctl: SlotControl) -> None:
+    def __init__(self, ctl: SlotControl, routing: Routing) -> None:
         self.ctl = ctl
+        self.routing = routing
         self.ops: dict[str, Operation] = {}
         self.current: Operation | None = None
 
@@ -125,8 +126,8 @@ class Operations:
             op.finished = time.time()
             for s in op.slots:
                 slot = self.ctl.slots.get(s)
-                if slot is not None and slot.operation == op.id:
-                    slot.operation = None
+                if slot is not None:
+                    self.ctl.release(slot, op.id)
             op.step(op.state, result=op.result)
             for cb in op.on_finish:
                 try:
@@ -138,6 +139,12 @@ class Operations:
 
     # ------------------------------------------------------------ procedures
 
+    async def recycle(self, op: Operation, slot: S.SlotState, reason: str) -> str:
+        """Replace one slot's worker for ``reason`` (a leak, an age limit, poor locality)."""
+        self.ctl.note_restart_reason(slot, reason)
+        await self.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
+        return f"slot {slot.plan.slot} recycled ({reason})"
+
     async def replace_slot(self, op: Operation, slot: S.SlotState, timeout: float) -> None:
         """Make-before-break: new generation Ready on the same listener, then drain the old."""
         drained = await self.switch_slot(op, slot, timeout)
@@ -146,7 +153,7 @@ class Operations:
 
     async def switch_slot(self, op: Operation, slot: S.SlotState,
                           timeout: float) -> Awaitable[None] | None:
-        """Start the slot's new generation, wait until it is Ready, switch to it, tell the old one to drain.
+        """Start incoming, wait ready, promote, retire: the slot's new generation serves, the old one drains.
 
         Returns the wait for the old worker's exit (None when there was none), so a roll can
         start the next slot while this one's old worker finishes its in-flight requests: the
@@ -155,42 +162,27 @@ class Operations:
         """
         ctl = self.ctl
         s = slot.plan.slot
-        slot.operation = op.id
+        ctl.claim(slot, op.id)
         if slot.drained:
             op.step(f"slot {s}: drained, left out of service", slot=s)
             return None
         old = slot.worker
-        now = time.monotonic()
         if old is None or slot.state != S.READY:
-            # nothing serving (backoff, failed): start fresh now and wait; a
-            # failed slot gets one attempt (it fails again at once if that
-            # fails, and is retried on the long backoff as before)
-            was_failed = slot.state == S.FAILED
-            slot.restart.reset()
-            if slot.worker is None:
-                slot.retrying = was_failed
-                ctl.start_worker(slot, now)
-            new = slot.worker
+            was = slot.state
+            new = ctl.start_fresh(slot, time.monotonic())
             if new is None:
                 raise OperationFailed(f"slot {s}: could not spawn: {slot.last_restart_reason}")
-            op.step(f"slot {s}: started generation {new.generation} (slot was {slot.state})", slot=s, pid=new.pid)
+            op.step(f"slot {s}: started generation {new.generation} (slot was {was})", slot=s, pid=new.pid)
             await self._wait_ready(op, slot, new)
             return None
         try:
-            new = ctl.spawn_generation(slot, now)
+            new = ctl.start_incoming(slot, time.monotonic())
         except (OSError, NumaserveError) as e:
             raise OperationFailed(f"slot {s}: could not spawn the new worker: {e}; old worker kept") from None
-        slot.incoming = new
         op.step(f"slot {s}: generation {new.generation} starting beside {old.generation}", slot=s, pid=new.pid)
         await self._wait_ready(op, slot, new)
-        # switch: the new worker is serving (same listener); retire the old one
-        slot.incoming = None
-        slot.worker = new
-        slot.retiring.append(old)
-        ctl.mark_ready(slot, time.monotonic())
-        rb = slot.totals_before.restarts_by_reason
-        rb[op.kind] = rb.get(op.kind, 0) + 1
-        ctl.send_stop(slot, old, time.monotonic(), timeout, drain=True)
+        ctl.promote(slot, time.monotonic(), op.kind)
+        ctl.retire(slot, old, time.monotonic(), timeout)
         op.step(f"slot {s}: generation {new.generation} ready; draining {old.generation}", slot=s,
                 old_pid=old.pid)
         return self._wait_exit(op, slot, old, timeout + self.ctl.cfg.supervisor.stop_timeout + 5.0)
@@ -213,12 +205,8 @@ class Operations:
             pass
         if new.ready is None or new.exit_code is not None:
             why = new.exit_cause or new.kill_reason or f"not ready within {limit:g}s (supervisor.ready_timeout)"
-            if new.popen.poll() is None:
-                new.kill_reason = new.kill_reason or "replacement aborted"
-                ctl.kill(new, time.monotonic())
-            if slot.incoming is new:
-                # leave it for the reaper; the old worker keeps serving
-                pass
+            if new.popen.poll() is None:   # the reaper accounts for it; the old worker keeps serving
+                ctl.abort(new, "replacement aborted", time.monotonic())
             raise OperationFailed(
                 f"slot {slot.plan.slot}: new worker (generation {new.generation}) failed: {why}; "
                 + ("old worker kept serving" if slot.worker is not new else "slot not serving")
@@ -227,20 +215,19 @@ class Operations:
     async def drain_slots(self, op: Operation, slots: list[S.SlotState], timeout: float) -> str:
         ctl = self.ctl
         deadline = time.monotonic() + timeout
+        routing = self.routing
         for slot in slots:
-            slot.operation = op.id
-            slot.drained = True
-            if slot.worker is not None and slot.state == S.READY:
-                slot.state = S.DRAINING
-        ctl.steer()  # no new connections for these slots from now on
-        op.step("steered new connections away", healthy=ctl.healthy_slots())
-        if not ctl.healthy_slots():
+            ctl.claim(slot, op.id)
+            ctl.begin_drain(slot)
+        routing.steer()  # no new connections for these slots from now on
+        op.step("steered new connections away", healthy=routing.healthy_slots())
+        if not routing.healthy_slots():
             op.step("warning: no slot left serving: new connections queue until undrain")
         # let the worker take what is already queued (bounded), then a round trip of grace
         settle = min(5.0, max(0.2, timeout / 4))
         end = time.monotonic() + settle
         while time.monotonic() < end:
-            depth = ctl.queued(sl.plan.slot for sl in slots)
+            depth = routing.queued(sl.plan.slot for sl in slots)
             if depth == 0:
                 break
             await asyncio.sleep(0.05)
@@ -250,7 +237,7 @@ class Operations:
         for slot in slots:
             for w in list(slot.workers()):
                 if w.popen.poll() is None:
-                    ctl.send_stop(slot, w, now, max(0.1, deadline - now), drain=True)
+                    ctl.retire(slot, w, now, max(0.1, deadline - now))
                     waits.append((slot, w))
         op.step("told workers to drain", workers=[w.pid for _, w in waits])
         left = []
@@ -262,8 +249,7 @@ class Operations:
                 inflight = w.stats.inflight if w.stats else None
                 left.append(f"slot {slot.plan.slot} pid {w.pid} ({inflight} in flight)")
         for slot in slots:
-            if slot.worker is None:
-                slot.state = S.DRAINED
+            ctl.end_drain(slot)
         if left:
             raise OperationFailed(f"timeout after {timeout:g}s with work left: " + ", ".join(left))
         return f"drained slots {[s.plan.slot for s in slots]}"
@@ -272,21 +258,14 @@ class Operations:
         ctl = self.ctl
         waits = []
         for slot in slots:
-            slot.operation = op.id
-            slot.drained = False
-            if slot.worker is None:
-                slot.restart.reset()
-                slot.failed_reason = None
-                ctl.start_worker(slot, time.monotonic())
-                if slot.worker is not None:
-                    waits.append((slot, slot.worker))
-                    op.step(f"slot {slot.plan.slot}: starting generation {slot.worker.generation}")
-            elif slot.state == S.DRAINING:
-                # drain never got to stop it: it is still serving
-                slot.state = S.READY
+            ctl.claim(slot, op.id)
+            w = ctl.undrain(slot, time.monotonic())
+            if w is not None:
+                waits.append((slot, w))
+                op.step(f"slot {slot.plan.slot}: starting generation {w.generation}")
         for slot, w in waits:
             await self._wait_ready(op, slot, w)
-        ctl.steer()
+        self.routing.steer()
         return f"serving slots {[s.plan.slot for s in slots]}"
 
     async def roll(self, op: Operation, slots: list[S.SlotState], timeout: float, parallel: int) -> str:

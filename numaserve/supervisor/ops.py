@@ -115,17 +115,17 @@ def select_slots(sup: OpsTarget, args: dict[str, Any], *, allow_all: bool = Fals
     if slot is not None and node is not None:
         raise OpsArgError("give --slot or --node, not both")
     if slot is not None:
-        if slot not in sup.slots:
-            raise OpsArgError(f"no slot {slot}; slots: {', '.join(str(s) for s in sup.slots)}")
-        return [sup.slots[slot]]
+        if slot not in sup.table.slots:
+            raise OpsArgError(f"no slot {slot}; slots: {', '.join(str(s) for s in sup.table.slots)}")
+        return [sup.table.slots[slot]]
     if node is not None:
-        chosen = [s for s in sup.slots.values() if s.plan.node == node]
+        chosen = [s for s in sup.table.slots.values() if s.plan.node == node]
         if not chosen:
-            nodes = sorted({s.plan.node for s in sup.slots.values()})
+            nodes = sorted({s.plan.node for s in sup.table.slots.values()})
             raise OpsArgError(f"no slot on node {node}; nodes with slots: {', '.join(map(str, nodes))}")
         return chosen
     if allow_all or arg_bool(args, "all"):
-        return list(sup.slots.values())
+        return list(sup.table.slots.values())
     raise OpsArgError("name the slots: --slot S or --node N")
 
 
@@ -136,7 +136,7 @@ def _op_reply(op: Any) -> dict[str, Any]:
 @verb("drain", mutating=True)
 async def _drain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
-    timeout = arg_float(args, "timeout", sup.cfg.ops.drain_timeout)
+    timeout = arg_float(args, "timeout", sup.table.cfg.ops.drain_timeout)
     op = sup.operations.start("drain", args, [s.plan.slot for s in slots],
                               lambda op: sup.operations.drain_slots(op, slots, timeout))
     return _op_reply(op)
@@ -153,17 +153,17 @@ async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
 @verb("restart", mutating=True)
 async def _restart(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
-    timeout = arg_float(args, "timeout", sup.cfg.ops.drain_timeout)
+    timeout = arg_float(args, "timeout", sup.table.cfg.ops.drain_timeout)
     op = sup.operations.start(
         "restart", args, [s.plan.slot for s in slots],
-        lambda op: sup.operations.roll(op, slots, timeout, sup.cfg.ops.reload_parallel),
+        lambda op: sup.operations.roll(op, slots, timeout, sup.table.cfg.ops.reload_parallel),
     )
     return _op_reply(op)
 
 
 @verb("reload", mutating=True)
 async def _reload(sup: OpsTarget, args: dict[str, Any]) -> Any:
-    op = sup.start_reload(args)
+    op = sup.reloader.start(args)
     return _op_reply(op)
 
 
@@ -188,7 +188,7 @@ async def _ratelimit_show(sup: OpsTarget, args: dict[str, Any]) -> Any:
     return {
         "mode": sup.limits.mode,
         "nodes": {str(n): d for n, d in sup.limits.last_decision.items()},
-        "slots": [{"slot": s.plan.slot, "node": s.plan.node, **sup.limits.status(s)} for s in sup.slots.values()],
+        "slots": [{"slot": s.plan.slot, "node": s.plan.node, **sup.limits.status(s)} for s in sup.table.slots.values()],
     }
 
 
@@ -211,7 +211,7 @@ async def _ratelimit_set(sup: OpsTarget, args: dict[str, Any]) -> Any:
     acked_in_ms = round(1000.0 * (time.perf_counter() - t0), 2)
     return {"state": "applied" if all(a.get("ok") for a in acks.values()) else "partly applied", "acks": acks,
             "acked_in_ms": acked_in_ms,   # first Command sent -> last Ack read (the fan-out, not this reply)
-            "slots": [sup.limits.status(s) | {"slot": s.plan.slot} for s in sup.slots.values()]}
+            "slots": [sup.limits.status(s) | {"slot": s.plan.slot} for s in sup.table.slots.values()]}
 
 
 @verb("ratelimit_auto", mutating=True)
@@ -220,7 +220,7 @@ async def _ratelimit_auto(sup: OpsTarget, args: dict[str, Any]) -> Any:
     if node is not None and node not in sup.limits.loops:
         raise OpsArgError(f"no slot on node {node}")
     slot = arg_int(args, "slot")
-    if slot is not None and slot not in sup.slots:
+    if slot is not None and slot not in sup.table.slots:
         raise OpsArgError(f"no slot {slot}")
     touched = sup.limits.auto(None if slot is None and node is None else ([slot] if slot is not None else []), node,
                               push=False)

@@ -23,7 +23,7 @@ _ACK_TIMEOUT = 5.0
 
 def current_version(sup: OpsTarget) -> int:
     """The cache epoch every worker is (or will be, on Hello) at; 0 before any bump."""
-    return int(sup.sticky.get(CACHE_VERSION, {}).get("version", 0))
+    return int(sup.channel.sticky.get(CACHE_VERSION, {}).get("version", 0))
 
 
 def _summary(acks: dict[str, Any]) -> dict[str, Any]:
@@ -37,7 +37,7 @@ async def _cache_purge(sup: OpsTarget, args: dict[str, Any]) -> Any:
     if not isinstance(prefix, str) or (prefix and not prefix.startswith("/")) or len(prefix) > 4096:
         raise OpsArgError(f"prefix {prefix!r}: expected a path prefix starting with /")
     timeout = arg_ack_timeout(args, "timeout", _ACK_TIMEOUT)
-    acks = await sup.broadcast("cache_purge", {"prefix": prefix}, timeout=timeout)
+    acks = await sup.channel.broadcast("cache_purge", {"prefix": prefix}, timeout=timeout)
     return {"prefix": prefix, **_summary(acks), "result": f"purge {prefix or '(all)'}: {len(acks)} workers"}
 
 
@@ -45,7 +45,7 @@ async def _cache_purge(sup: OpsTarget, args: dict[str, Any]) -> Any:
 async def _cache_bump(sup: OpsTarget, args: dict[str, Any]) -> Any:
     timeout = arg_ack_timeout(args, "timeout", _ACK_TIMEOUT)
     version = current_version(sup) + 1
-    acks = await sup.broadcast(CACHE_VERSION, {"version": version}, timeout=timeout, sticky=True)
+    acks = await sup.channel.broadcast(CACHE_VERSION, {"version": version}, timeout=timeout, sticky=True)
     return {"version": version, **_summary(acks), "result": f"cache version {version}: {len(acks)} workers"}
 
 

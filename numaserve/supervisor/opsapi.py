@@ -23,23 +23,35 @@ from numaserve.errors import NumaserveError
 from numaserve.supervisor.audit import AuditLog
 from numaserve.supervisor.limits import LimitsManager
 from numaserve.supervisor.operations import Operation, Operations
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slotcontrol import SlotControl, WorkerChannel
 
 
-class OpsTarget(SlotControl, Protocol):
-    """What the ops verbs read and start: status, operations, limits, reload, stop."""
+class OpsChannel(WorkerChannel, Protocol):
+    """The worker channel as the ops verbs see it: commands, and the sticky ones new workers get on Hello."""
+
+    sticky: dict[str, dict[str, Any]]
+
+
+class ReloadStarter(Protocol):
+    def start(self, args: dict[str, Any]) -> Operation:
+        """Re-read the config and roll every slot onto it (a tracked ``reload`` operation)."""
+
+
+class OpsTarget(Protocol):
+    """What the ops verbs read and start: the slot table, the worker channel, operations, limits,
+    the audit log, reload, status and stop (the supervisor in production, a fake in unit tests)."""
 
     state: str
-    sticky: dict[str, dict[str, Any]]
+    table: SlotControl
+    channel: OpsChannel
     operations: Operations
     limits: LimitsManager
     audit: AuditLog
+    reloader: ReloadStarter
 
     def status(self) -> dict[str, Any]: ...
 
     def request_stop(self, reason: str, fast: bool = False) -> None: ...
-
-    def start_reload(self, args: dict[str, Any]) -> Operation: ...
 
 
 Handler = Callable[["OpsTarget", dict[str, Any]], Awaitable[Any]]

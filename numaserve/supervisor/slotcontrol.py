@@ -1,11 +1,11 @@
 """The narrow interfaces through which helpers act on the supervisor's slots.
 
-Operations, the leak watch, the limits manager and the ops handlers never see
-the ``Supervisor`` class: they get an object that satisfies one of these
-protocols (the supervisor in production, a fake in unit tests).  Slot state
-*changes* that involve a process (start, next generation, ready, drain, kill,
-steer) go through these verbs, so the supervisor keeps its bookkeeping
-(logs, restart accounting, steering) in one place.
+Operations, the leak watch, the limits manager, the stop sequence, the
+command probe and the ops handlers never see the ``Supervisor`` class: they
+get the slot table (``SlotControl``: the one writer of slot state), the
+worker channel (``WorkerChannel``) and the routing (``Routing``): in
+production ``slottable.SlotTable``, ``channel.WorkerChannel`` and
+``routing.Router``, in unit tests one fake that is all three.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 from numaserve.config import Config
 from numaserve.supervisor.slots import SlotState, WorkerProc
 
-__all__ = ["SlotControl", "WorkerChannel"]
+__all__ = ["Routing", "SlotControl", "WorkerChannel"]
 
 
 class WorkerChannel(Protocol):
@@ -34,8 +34,20 @@ class WorkerChannel(Protocol):
     def send_command(self, w: WorkerProc, name: str, args: dict[str, Any]) -> None: ...
 
 
-class SlotControl(WorkerChannel, Protocol):
-    """What operations, the leak watch and the limits manager may do to slots."""
+class Routing(Protocol):
+    """Where new connections go: the slots that serve now."""
+
+    def steer(self) -> None:
+        """Re-point new connections at the slots that serve now."""
+
+    def healthy_slots(self) -> list[int]: ...
+
+    def queued(self, slots: Iterable[int]) -> int:
+        """Connections waiting in these slots' listeners."""
+
+
+class SlotControl(Protocol):
+    """The slot table's verbs (``slottable.SlotTable``): the only way to change a slot's state."""
 
     cfg: Config
     stopping: bool
@@ -47,22 +59,29 @@ class SlotControl(WorkerChannel, Protocol):
     def start_worker(self, slot: SlotState, now: float) -> None:
         """Spawn the slot's worker (state STARTING, or BACKOFF/FAILED if the spawn fails)."""
 
-    def spawn_generation(self, slot: SlotState, now: float) -> WorkerProc:
-        """Start the slot's next generation beside the current one (raises OSError/NumaserveError)."""
+    def start_fresh(self, slot: SlotState, now: float) -> WorkerProc | None:
+        """Nothing serves: start the slot now, crash history forgotten (None: the spawn failed)."""
 
-    def mark_ready(self, slot: SlotState, now: float) -> None:
-        """The slot's current worker serves: READY, crash history of a retried slot forgotten."""
+    def start_incoming(self, slot: SlotState, now: float) -> WorkerProc:
+        """The slot's next generation beside the serving one (raises OSError/NumaserveError)."""
 
-    def send_stop(self, slot: SlotState, w: WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
-        """Ask one worker to finish within ``deadline`` s and exit (Drain or Stop; SIGTERM without a channel)."""
+    def promote(self, slot: SlotState, now: float, why: str) -> WorkerProc:
+        """The Ready incoming worker serves; returns the old one (retiring)."""
 
-    def kill(self, w: WorkerProc, now: float) -> None:
-        """SIGKILL one worker (the reaper accounts for its exit)."""
+    def retire(self, slot: SlotState, w: WorkerProc, now: float, deadline: float) -> None:
+        """Tell one worker to drain within ``deadline`` s and exit."""
 
-    def steer(self) -> None:
-        """Re-point new connections at the slots that serve now."""
+    def abort(self, w: WorkerProc, reason: str, now: float) -> None:
+        """SIGKILL one worker for ``reason`` (the reaper accounts for its exit)."""
 
-    def healthy_slots(self) -> list[int]: ...
+    def claim(self, slot: SlotState, op_id: str) -> None: ...
 
-    def queued(self, slots: Iterable[int]) -> int:
-        """Connections waiting in these slots' listeners."""
+    def release(self, slot: SlotState, op_id: str) -> None: ...
+
+    def note_restart_reason(self, slot: SlotState, reason: str) -> None: ...
+
+    def begin_drain(self, slot: SlotState) -> None: ...
+
+    def end_drain(self, slot: SlotState) -> None: ...
+
+    def undrain(self, slot: SlotState, now: float) -> WorkerProc | None: ...

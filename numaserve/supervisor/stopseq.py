@@ -17,11 +17,10 @@ from typing import Callable
 
 import structlog
 
-from numaserve.supervisor import slots as S
 from numaserve.supervisor.lbgrace import GraceDecision, ProbeClock, decide_lb_grace
-from numaserve.supervisor.lifecycle import Lifecycle
 from numaserve.supervisor.notify import Notifier
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slotcontrol import Routing
+from numaserve.supervisor.slottable import SlotTable
 
 __all__ = ["ACCEPT_SETTLE_MAX_S", "StopSequence"]
 
@@ -33,10 +32,10 @@ ACCEPT_SETTLE_MAX_S = 5.0
 
 
 class StopSequence:
-    def __init__(self, ctl: SlotControl, lifecycle: Lifecycle, notifier: Notifier, probes: ProbeClock,
+    def __init__(self, table: SlotTable, routing: Routing, notifier: Notifier, probes: ProbeClock,
                  close_listeners: Callable[[], None]) -> None:
-        self.ctl = ctl
-        self.lifecycle = lifecycle
+        self.table = table
+        self.routing = routing
         self.notifier = notifier
         self.probes = probes                      # the admin app notes every /readyz
         self.close_listeners = close_listeners
@@ -49,10 +48,8 @@ class StopSequence:
         """Readiness goes off now (``stopping``: /readyz 503); the workers keep
         serving through the lb grace, then take what is queued, then drain.
         ``fast`` kills every worker (a second signal, ``stop --fast``)."""
-        now = time.monotonic()
-        first = not self.lifecycle.stopping
-        self.lifecycle.stopping = True
-        cfg = self.ctl.cfg
+        first = self.table.begin_stop()
+        cfg = self.table.cfg
         if first:
             log.info("stopping", reason=reason)
             self.notifier.stopping(f"stopping: {reason}")
@@ -60,11 +57,7 @@ class StopSequence:
             self.fast = True
             if self.task is not None:
                 self.task.cancel()
-            for slot in self.ctl.slots.values():
-                for w in slot.workers():
-                    if w.popen.poll() is None and w.kill_sent is None:
-                        self.ctl.kill(w, now)
-                        self.lifecycle.forced_kills = True
+            self.table.kill_all(time.monotonic())
             return
         if first:
             grace = (decide_lb_grace(cfg.server.lb_grace, self.probes.age()) if lb_grace
@@ -73,7 +66,7 @@ class StopSequence:
             self.task = asyncio.get_running_loop().create_task(self._after_grace(grace.seconds), name="stop")
 
     async def _after_grace(self, grace: float) -> None:
-        cfg = self.ctl.cfg
+        cfg = self.table.cfg
         try:
             if grace > 0:
                 self.phase = "lb_grace"
@@ -91,28 +84,19 @@ class StopSequence:
         except Exception as e:  # never let a stop hang on its preamble
             log.error("stop_preamble_failed", error=repr(e))
         self.phase = "draining"
-        now = time.monotonic()
-        for slot in self.ctl.slots.values():
-            if slot.worker is not None:
-                slot.state = S.STOPPING
-            for w in slot.workers():
-                if w.stop_sent is None and w.kill_sent is None:
-                    self.ctl.send_stop(slot, w, now, cfg.server.graceful_timeout, drain=False)
+        self.table.stop_all(time.monotonic(), cfg.server.graceful_timeout)
         # Each worker closes its copy of its listener as it stops accepting; with
         # ours closed too the socket goes away then, and the kernel refuses new
         # connections (a balancer without health checks retries a refused
         # connect safely) instead of queueing them until the final close resets them.
         self.close_listeners()
-        self.ctl.wake.set()
+        self.table.wake.set()
 
     def _queued_on_serving_slots(self) -> int:
         """Connections waiting in the listeners of slots whose worker can still take them."""
-        return self.ctl.queued(slot.plan.slot for slot in self.ctl.slots.values()
-                               if slot.worker is not None and slot.worker.popen.poll() is None)
+        return self.routing.queued(slot.plan.slot for slot in self.table.slots.values()
+                                   if slot.worker is not None and slot.worker.popen.poll() is None)
 
     def progress(self) -> bool:
         """Slots without a worker count as stopped; True once no worker is left."""
-        for slot in self.ctl.slots.values():
-            if slot.worker is None and slot.state not in (S.STOPPED, S.FAILED, S.DRAINED):
-                slot.state = S.STOPPED
-        return not any(True for s in self.ctl.slots.values() for _ in s.workers())
+        return self.table.settle_stopped()

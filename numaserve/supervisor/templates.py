@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -49,6 +49,10 @@ from numaserve.supervisor.exits import EXTERNAL_SIGNALS
 from numaserve.supervisor.fdbudget import restore_child_nofile
 from numaserve.supervisor.lifecycle import LOADING_LOG_S, describe_exit
 from numaserve.supervisor.loadwatch import LoadProgress, load_verdict, read_sample
+from numaserve.supervisor.notify import Notifier
+from numaserve.supervisor.operations import Operation
+from numaserve.supervisor.slots import SlotState
+from numaserve.topology.model import Gpu
 from numaserve.supervisor.workerauth import TOKEN_FD_ENV
 from numaserve.supervisor.workerproc import (
     ForkedProcess,
@@ -180,21 +184,48 @@ class NodeTemplate:
     zygote_last_exit: str | None = None
 
 
-class TemplateManager:
-    """Owns every node's template; the arbiter calls ``start``, ``forker``, ``tick``, ``reload``, ``close``."""
+class TemplateHost(Protocol):
+    """What the templates read of the slots: the live config (a reload replaces it), whether a
+    node's workers serve, whether the supervisor stops, and the loop's wake-up (the slot table)."""
 
-    def __init__(self, sup: Any) -> None:
-        self.sup = sup
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def slots(self) -> Mapping[int, SlotState]: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def wake(self) -> asyncio.Event: ...
+
+
+class TemplateManager:
+    """Owns every node's template; the arbiter calls ``start``, ``forker``, ``tick``, ``reload``, ``close``.
+
+    ``gpus``: the topology's GPUs now (a reload may re-read them); ``notifier``: systemd STATUS=
+    while templates load; ``progress_file``: a loading template's progress file path (none: not read).
+    """
+
+    def __init__(self, host: TemplateHost, plans: Sequence[SlotPlan], *, policy: RestartPolicy | None = None,
+                 gpus: Callable[[], Sequence[Gpu]] = tuple, notifier: Notifier | None = None,
+                 progress_file: Callable[[str], str] | None = None) -> None:
+        self.host = host
+        self.plans = tuple(plans)
+        self.gpus = gpus
+        self.notifier = notifier
+        self.make_progress_file = progress_file
         self.nodes: dict[int, NodeTemplate] = {}
         self.retired: list[TemplateProc] = []
         self.subreaper = False
         self.disabled_reason: str | None = None
-        self.policy = RestartPolicy(**vars(sup.policy)) if hasattr(sup, "policy") else RestartPolicy()
+        self.policy = policy or RestartPolicy()
 
     # ------------------------------------------------------------ configuration
 
     def wanted(self, cfg: Config | None = None) -> bool:
-        cfg = cfg or self.sup.cfg
+        cfg = cfg or self.host.cfg
         return cfg.worker.start == "fork" and not cfg.server.cmd
 
     @property
@@ -203,7 +234,7 @@ class TemplateManager:
 
     def _group(self) -> dict[int, list[SlotPlan]]:
         out: dict[int, list[SlotPlan]] = {}
-        for p in self.sup.plan.slots:
+        for p in self.plans:
             out.setdefault(p.node, []).append(p)
         return out
 
@@ -224,15 +255,15 @@ class TemplateManager:
         for node, plans in sorted(self._group().items()):
             self.nodes[node] = NodeTemplate(node=node, plans=plans, restart=RestartState(self.policy),
                                             zygote_restart=RestartState(self.policy))
-        zygotes = [z for nt in self.nodes.values() if (z := self._start_zygote(nt, self.sup.cfg)) is not None]
-        await self._wait_ready(zygotes, self.sup.cfg)
+        zygotes = [z for nt in self.nodes.values() if (z := self._start_zygote(nt, self.host.cfg)) is not None]
+        await self._wait_ready(zygotes, self.host.cfg)
         started = []
         for nt in self.nodes.values():
-            t = self._start_generation(nt, self.sup.cfg)
+            t = self._start_generation(nt, self.host.cfg)
             if t is not None:
                 nt.current = t
                 started.append(t)
-        await self._wait_ready(started, self.sup.cfg)
+        await self._wait_ready(started, self.host.cfg)
         for t in started:
             nt = self.nodes[t.node]
             if t.state == STARTING:
@@ -254,7 +285,7 @@ class TemplateManager:
         first = nt.plans[0]
         cpus = tuple(sorted({c for p in nt.plans for c in p.cpus}))
         base = os.environ
-        gpus = self.sup.topology.gpus if self.sup.topology else ()
+        gpus = self.gpus()
         extra = numaserve_env(cfg, base, first, 0, gpus)
         env = worker_env(base, first, 0, None, extra)
         for k in ("NUMASERVE_SLOT", "NUMASERVE_GENERATION", TOKEN_FD_ENV):
@@ -263,7 +294,7 @@ class TemplateManager:
 
     def _serving(self, nt: NodeTemplate) -> bool:
         """Whether workers serve on this node now (a boot then runs at a lower priority)."""
-        return any(sl.worker is not None for sl in self.sup.slots.values() if sl.plan.node == nt.node)
+        return any(sl.worker is not None for sl in self.host.slots.values() if sl.plan.node == nt.node)
 
     def _spawn(self, nt: NodeTemplate, cfg: Config, kind: str, module: str, spec_var: str, spec_json: Any,
                child: socket.socket, env: dict[str, str], cpus: tuple[int, ...], first: SlotPlan,
@@ -374,7 +405,7 @@ class TemplateManager:
         if z is not None and why is not None and z.state == READY:
             self._retire(z, f"replaced: {why}")
             nt.zygote = None
-        if nt.zygote is None and nt.zygote_next is None and not self.sup.stopping:
+        if nt.zygote is None and nt.zygote_next is None and not self.host.stopping:
             self._start_zygote(nt, cfg)  # ready for the next generation; not waited for
         if t is None:
             parent.close()
@@ -446,7 +477,7 @@ class TemplateManager:
         """
         while True:
             pending = [t for t in ts if t.state == STARTING and t.popen.poll() is None]
-            if not pending or getattr(self.sup, "stopping", False):
+            if not pending or self.host.stopping:
                 return
             now = time.monotonic()
             for t in pending:
@@ -497,7 +528,7 @@ class TemplateManager:
 
     def _notify_loading(self, now: float) -> None:
         """systemd STATUS= while templates load (the supervision loop does not tick yet)."""
-        notifier = getattr(self.sup, "notifier", None)
+        notifier = self.notifier
         if notifier is None or not notifier.enabled:
             return
         parts = [f"node{nt.node} template {nt.current.load.describe(now)}" for nt in self.nodes.values()
@@ -507,7 +538,7 @@ class TemplateManager:
             notifier.extend_start(now)
 
     def _progress_file(self, name: str) -> str | None:
-        make = getattr(self.sup, "progress_file", None)
+        make = self.make_progress_file
         if make is None:
             return None
         try:
@@ -530,7 +561,7 @@ class TemplateManager:
 
     def _on_readable(self, t: TemplateProc) -> None:
         self._drain(t)
-        self.sup.wake.set()
+        self.host.wake.set()
 
     def _drain(self, t: TemplateProc) -> None:
         """Read what a template said on its own (ready / failed); end-of-file means it is going."""
@@ -714,23 +745,23 @@ class TemplateManager:
                         os.unlink(t.progress_path)
                     except OSError:
                         pass
-                if not self.sup.stopping:
+                if not self.host.stopping:
                     log.warning("template_exit", node=nt.node, generation=t.generation, pid=t.pid, exit=why,
                                 forks=t.forks, note="its workers keep serving; new workers are exec'd until it is back")
                     self._schedule_restart(nt, now, why, uptime=now - t.started,
                                            external=self._external_exit(t, code))
             elif t is not None and t.state == STARTING and t.killed_for is None:
-                self.judge(t, now, self.sup.cfg)
-            elif t is None and nt.next_start is not None and now >= nt.next_start and not self.sup.stopping:
+                self.judge(t, now, self.host.cfg)
+            elif t is None and nt.next_start is not None and now >= nt.next_start and not self.host.stopping:
                 nt.next_start = None
-                new = self._start_generation(nt, self.sup.cfg)
+                new = self._start_generation(nt, self.host.cfg)
                 if new is not None:
                     nt.current = new
                     nt.restarts += 1
             elif t is not None and t.state == READY and t.ready_at and now - t.ready_at > self.policy.reset_after:
                 nt.restart.consecutive = 0
         if self.subreaper:
-            workers = {w.pid for sl in self.sup.slots.values() for w in sl.workers()}
+            workers = {w.pid for sl in self.host.slots.values() for w in sl.workers()}
             known = set(known_pids) | workers | {nt.current.pid for nt in self.nodes.values() if nt.current} | \
                 {nt.zygote.pid for nt in self.nodes.values() if nt.zygote} | {t.pid for t in self.retired}
             for pid, code in reap_strays(known):
@@ -744,14 +775,14 @@ class TemplateManager:
             nt.zygote = None
             nt.zygote_last_exit = why
             self._close_sock(z)
-            if not self.sup.stopping:
+            if not self.host.stopping:
                 log.warning("zygote_exit", node=nt.node, pid=z.pid, exit=why,
                             note="templates keep serving; the next generation is exec'd until it is back")
                 if z.state != REFUSED:
                     self._schedule_zygote(nt, now, why, uptime=now - z.started)
-        elif z is None and nt.zygote_next is not None and now >= nt.zygote_next and not self.sup.stopping:
+        elif z is None and nt.zygote_next is not None and now >= nt.zygote_next and not self.host.stopping:
             nt.zygote_next = None
-            self._start_zygote(nt, self.sup.cfg)
+            self._start_zygote(nt, self.host.cfg)
         elif z is not None and z.state == READY and z.ready_at and now - z.ready_at > self.policy.reset_after \
                 and nt.zygote_restart is not None:
             nt.zygote_restart.consecutive = 0
@@ -775,7 +806,7 @@ class TemplateManager:
 
     # ------------------------------------------------------------------ reload
 
-    async def reload(self, cfg: Config, op: Any = None) -> str | None:
+    async def reload(self, cfg: Config, op: Operation | None = None) -> str | None:
         """New template generation on every node, switched in only when all are ready.
 
         Returns None on success, else why (old templates kept, nothing switched).
@@ -884,7 +915,7 @@ class TemplateManager:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:
-        cfg = self.sup.cfg
+        cfg = self.host.cfg
         out: dict[str, Any] = {"start": cfg.worker.start, "preload": cfg.worker.preload or None,
                                "active": self.enabled, "disabled_reason": self.disabled_reason,
                                "subreaper": self.subreaper, "nodes": []}

@@ -9,7 +9,6 @@ dropped; nothing here signals a pid a message names.
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Callable
 
@@ -21,8 +20,7 @@ from numaserve.control.peercred import PeerCred
 from numaserve.supervisor import slots as S
 from numaserve.supervisor import workerauth
 from numaserve.supervisor.channel import WorkerChannel
-from numaserve.supervisor.lifecycle import Lifecycle
-from numaserve.supervisor.slotcontrol import SlotControl
+from numaserve.supervisor.slottable import SlotTable
 
 __all__ = ["WorkerMessageHandler"]
 
@@ -30,14 +28,11 @@ log = structlog.get_logger("numaserve.supervisor")
 
 
 class WorkerMessageHandler:
-    def __init__(self, ctl: SlotControl, lifecycle: Lifecycle, channel: WorkerChannel, *,
-                 on_hello: Callable[[S.SlotState, S.WorkerProc], None],
-                 signal: Callable[[S.WorkerProc, int], None]) -> None:
-        self.ctl = ctl
-        self.lifecycle = lifecycle
+    def __init__(self, table: SlotTable, channel: WorkerChannel, *,
+                 on_hello: Callable[[S.SlotState, S.WorkerProc], None]) -> None:
+        self.table = table
         self.channel = channel
         self.on_hello = on_hello          # a new worker starts at its slot's current limits
-        self.signal = signal
         self.bad_messages = 0
         self.rejected: dict[int, int] = {}        # per slot: control messages refused (forged/unverified)
         self._reject_logged: dict[tuple[int, str], float] = {}
@@ -76,7 +71,7 @@ class WorkerMessageHandler:
         later messages must come on the identity that said Hello, from that pid.
         Anything else is counted and dropped; nothing here signals a pid a message names.
         """
-        slot = self.ctl.slots.get(msg.slot)
+        slot = self.table.slots.get(msg.slot)
         w = slot.find(msg.generation) if slot is not None else None
         if slot is None or w is None:
             self.count_bad("control", f"message for unknown slot/generation {msg.slot}/{msg.generation}")
@@ -93,8 +88,7 @@ class WorkerMessageHandler:
                 if peer is not None or w.token is not None:
                     # proven to be the process we spawned (kernel pid or token): end it with the reason,
                     # rather than let it hang until the ready timeout
-                    w.kill_reason = reason
-                    self.signal(w, signal.SIGTERM)
+                    self.table.refuse(w, reason)
                 return
             w.identity = identity
             w.hello = now
@@ -102,9 +96,9 @@ class WorkerMessageHandler:
             w.placement = msg.placement
             if msg.placement is not None and not msg.placement.ok:
                 log.error("worker_binding_problem", slot=slot.plan.slot, problems=msg.placement.problems)
-            self.ctl.wake.set()
-            if self.ctl.stopping and w.stop_sent is None:
-                self.ctl.send_stop(slot, w, now, self.ctl.cfg.server.graceful_timeout, drain=False)
+            self.table.wake.set()
+            if self.table.stopping and w.stop_sent is None:
+                self.table.send_stop(slot, w, now, self.table.cfg.server.graceful_timeout, drain=False)
                 return
             self.on_hello(slot, w)
             self.channel.replay_sticky(w)
@@ -136,12 +130,12 @@ class WorkerMessageHandler:
             return
         w.last_beat = now
         if isinstance(msg, m.Ready):
-            self.lifecycle.on_ready(slot, w, now)
-            self.ctl.wake.set()
+            self.table.on_ready(slot, w, now)
+            self.table.wake.set()
         elif isinstance(msg, m.Goodbye):
             w.goodbye = msg.reason[:500]
             log.info("goodbye", slot=slot.plan.slot, pid=w.pid, reason=w.goodbye)
-            self.ctl.wake.set()
+            self.table.wake.set()
         elif isinstance(msg, m.Ack):
             log.debug("ack", slot=slot.plan.slot, ref=msg.ref, ok=msg.ok, detail=msg.detail)
             self.channel.resolve(msg)

@@ -325,7 +325,7 @@ def test_a_template_generation_is_forked_from_the_zygote_only_when_it_matches() 
     from numaserve.bind.placement import SlotPlan
     from numaserve.supervisor.templates import READY, STARTING, TemplateManager, TemplateProc
 
-    tm = TemplateManager(SimpleNamespace())
+    tm = TemplateManager(SimpleNamespace(), [])  # type: ignore[arg-type]
     plan = SlotPlan(slot=0, node=0, index=0, cpus=(0, 1), mempolicy="bind", memory_nodes=(0,))
     env = {"PYTHONPATH": "/a", "OMP_NUM_THREADS": "2", "NUMASERVE_SLOT": "0"}
     z = TemplateProc(node=0, generation=0, popen=None, sock=None, env=dict(env), mempolicy="bind",  # type: ignore[arg-type]
@@ -497,7 +497,7 @@ def test_a_template_past_the_operators_deadline_is_killed_with_the_key_named_and
 
     cfg = msgspec.structs.replace(Config(), supervisor=msgspec.structs.replace(
         Config().supervisor, ready_timeout=0.3, heartbeat_timeout=1000.0))
-    tm = TemplateManager(SimpleNamespace(stopping=False))
+    tm = TemplateManager(SimpleNamespace(stopping=False), [])  # type: ignore[arg-type]
     t = _loading_template(os.getpid())
 
     async def go() -> list[object]:
@@ -520,7 +520,7 @@ def test_a_loading_template_is_waited_for_without_a_deadline_until_the_superviso
     from numaserve.supervisor.templates import TemplateManager
 
     sup = SimpleNamespace(stopping=False)
-    tm = TemplateManager(sup)
+    tm = TemplateManager(sup, [])  # type: ignore[arg-type]
     t = _loading_template(os.getpid())   # this process: its CPU time moves, so it is alive and loading
 
     async def go() -> None:

@@ -1,9 +1,9 @@
-"""Processes and a SlotControl without processes: the supervisor's helpers under test.
+"""Processes and a slot table without processes: the supervisor's helpers under test.
 
 ``FakePopen`` is a worker that never ran; a test ends it with ``exit(code)``.
-``FakeSlots`` implements ``SlotControl`` over a ``Lifecycle`` whose spawns are
-fake, and records every verb it was asked for (``calls``), so a test can
-assert on the order in which an operation did things.
+``FakeSlots`` is a real ``SlotTable`` whose spawns and messages are fake, and
+also the ``Routing`` and ``WorkerChannel`` the helpers get; it records the
+verbs that matter to an operation's order (``calls``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from numaserve.bind.placement import SlotPlan
 from numaserve.config import Config
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.backoff import RestartPolicy, RestartState
+from numaserve.control import messages as m
 from numaserve.supervisor.lifecycle import Lifecycle
 from numaserve.supervisor.operations import Operation, Operations
 
@@ -42,8 +43,8 @@ def plans(n: int, nodes: int = 1) -> list[SlotPlan]:
             for i in range(n)]
 
 
-class FakeSlots:
-    """SlotControl for tests: a real Lifecycle, fake processes, recorded verbs.
+class FakeSlots(Lifecycle):
+    """SlotControl + Routing + WorkerChannel for tests: a real slot table, fake processes, recorded verbs.
 
     ``auto_ready``: a spawned worker reports Ready on the next loop turn;
     ``exit_on_stop``: a worker told to stop exits (code 0) on the next loop turn.
@@ -52,11 +53,8 @@ class FakeSlots:
 
     def __init__(self, n: int = 2, *, cfg: Config | None = None, nodes: int = 1, policy: RestartPolicy | None = None,
                  auto_ready: bool = True, exit_on_stop: bool = True) -> None:
-        self.cfg = cfg or Config()
-        self.policy = policy or RestartPolicy(initial=0.1, maximum=1.0, jitter=0.0, reset_after=60.0,
-                                              loop_limit=3, loop_window=60.0, failed_retry=300.0)
-        self._slots = {p.slot: S.SlotState(plan=p, restart=RestartState(self.policy)) for p in plans(n, nodes)}
-        self.wake = asyncio.Event()
+        policy = policy or RestartPolicy(initial=0.1, maximum=1.0, jitter=0.0, reset_after=60.0,
+                                         loop_limit=3, loop_window=60.0, failed_retry=300.0)
         self.signals: list[tuple[int, int]] = []
         self.calls: list[tuple[Any, ...]] = []
         self.sent: list[tuple[int, str, dict[str, Any]]] = []   # (pid, command, args)
@@ -66,14 +64,17 @@ class FakeSlots:
         self.fail_spawn: str | None = None
         self.depth = 0
         self.samples: dict[int, Any] = {}   # pid -> loadwatch.ProcSample the watchdog reads (none: gone)
-        self.life = Lifecycle(self.cfg, self._slots, self.policy, spawn_worker=self._spawn, wake=self.wake,
-                              started=0.0, send_signal=lambda pid, sig: self.signals.append((pid, sig)),
-                              oom_count=lambda: 0, frozen=lambda pid: False,
-                              sample=self.samples.get, tree_sample=self.samples.get, cgroup_of=lambda pid: None)
+        self.messages: list[tuple[int, m.Msg]] = []              # (pid, Drain/Stop) sent to workers
+        slots = {p.slot: S.SlotState(plan=p, restart=RestartState(policy)) for p in plans(n, nodes)}
+        super().__init__(cfg or Config(), slots, policy, spawn_worker=self._spawn, wake=asyncio.Event(), started=0.0,
+                         send_message=lambda w, msg: self.messages.append((w.pid, msg)),
+                         send_signal=lambda pid, sig: self.signals.append((pid, sig)),
+                         oom_count=lambda: 0, frozen=lambda pid: False,
+                         sample=self.samples.get, tree_sample=self.samples.get, cgroup_of=lambda pid: None)
 
     # the test's side ------------------------------------------------------
 
-    def _spawn(self, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
+    def _spawn(self, cfg: Config, plan: SlotPlan, generation: int, now: float) -> S.WorkerProc:
         if self.fail_spawn:
             raise OSError(self.fail_spawn)
         w = S.WorkerProc(generation=generation, popen=FakePopen(), started=now)  # type: ignore[arg-type]
@@ -81,7 +82,7 @@ class FakeSlots:
         w.hello = w.last_beat = now
         self.calls.append(("spawn", plan.slot, generation))
         if self.auto_ready:
-            self._soon(lambda: self.life.on_ready(self._slots[plan.slot], w, now))
+            self._soon(lambda: self.on_ready(self.slots[plan.slot], w, now))
         return w
 
     def _soon(self, fn: Any) -> None:
@@ -93,44 +94,37 @@ class FakeSlots:
     def exit(self, w: S.WorkerProc, code: int, now: float = 0.0) -> None:
         """The process ends; the reaper accounts for it (as the supervision loop would)."""
         w.popen.exit(code)  # type: ignore[attr-defined]
-        self.life.reap(now)
+        self.reap(now)
 
-    # SlotControl ------------------------------------------------------------
-
-    @property
-    def slots(self) -> dict[int, S.SlotState]:
-        return self._slots
-
-    @property
-    def stopping(self) -> bool:
-        return self.life.stopping
+    # the slot table's verbs an operation's order is asserted on -----------------
 
     def start_worker(self, slot: S.SlotState, now: float) -> None:
         self.calls.append(("start_worker", slot.plan.slot))
-        self.life.start_worker(slot, now)
-
-    def spawn_generation(self, slot: S.SlotState, now: float) -> S.WorkerProc:
-        return self.life.spawn_generation(slot, now)
+        super().start_worker(slot, now)
 
     def mark_ready(self, slot: S.SlotState, now: float) -> None:
         self.calls.append(("mark_ready", slot.plan.slot))
-        self.life.mark_ready(slot, now)
+        super().mark_ready(slot, now)
 
     def send_stop(self, slot: S.SlotState, w: S.WorkerProc, now: float, deadline: float, *, drain: bool) -> None:
-        self.calls.append(("drain" if drain else "stop", slot.plan.slot, w.generation))
-        w.stop_sent, w.stop_deadline = now, deadline
-        if self.exit_on_stop:
-            self._soon(lambda: self.exit(w, 0, now))
+        first = w.stop_sent is None
+        super().send_stop(slot, w, now, deadline, drain=drain)
+        if first:
+            self.calls.append(("drain" if drain else "stop", slot.plan.slot, w.generation))
+            if self.exit_on_stop:
+                self._soon(lambda: self.exit(w, 0, now))
 
     def kill(self, w: S.WorkerProc, now: float) -> None:
         self.calls.append(("kill", w.generation))
-        self.life.kill(w, now)
+        super().kill(w, now)
+
+    # Routing ------------------------------------------------------------------
 
     def steer(self) -> None:
         self.calls.append(("steer", tuple(self.healthy_slots())))
 
     def healthy_slots(self) -> list[int]:
-        return [s.plan.slot for s in self._slots.values() if s.state == S.READY and not s.drained]
+        return [s.plan.slot for s in self.slots.values() if s.state == S.READY and not s.drained]
 
     def queued(self, slots: Iterable[int]) -> int:
         list(slots)
@@ -139,7 +133,7 @@ class FakeSlots:
     async def broadcast(self, name: str, args: dict[str, Any], *, timeout: float = 5.0,
                         sticky: bool = False) -> dict[str, Any]:
         out = {}
-        for s in self._slots.values():
+        for s in self.slots.values():
             if s.worker is not None:
                 self.sent.append((s.worker.pid, name, args))
                 out[str(s.plan.slot)] = {"pid": s.worker.pid, "ok": True, "detail": ""}

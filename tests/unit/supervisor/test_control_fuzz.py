@@ -65,8 +65,8 @@ def make_supervisor(tmp: Path) -> Supervisor:
     cfg = Config()
     plan = Plan(slots=[SlotPlan(slot=0, node=0, index=0, cpus=(0,), mempolicy="bind", memory_nodes=(0,))])
     sup = Supervisor(cfg, plan, RuntimeDir(tmp), config_path=None)
-    sup.ops_limiter = PeerRateLimiter(1e9, 1e9)
-    slot = sup.slots[0]
+    sup.plane.ops_limiter = PeerRateLimiter(1e9, 1e9)
+    slot = sup.table.slots[0]
     slot.generation = 1
     slot.worker = S.WorkerProc(generation=1, popen=_FakePopen(), started=0.0, token="t" * 32)  # type: ignore[arg-type]
     slot.state = S.STARTING
@@ -74,9 +74,7 @@ def make_supervisor(tmp: Path) -> Supervisor:
 
 
 def close(sup: Supervisor) -> None:
-    from numaserve.log import remove_event_sink
-
-    remove_event_sink(sup._event_sink)
+    sup.plane.end_event_stream()
 
 
 @pytest.fixture
@@ -158,14 +156,14 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 def test_control_frames_never_raise_and_are_counted(tmp_path: Path, caught: _Exceptions, frames: list[bytes]) -> None:
     sup = make_supervisor(tmp_path)
     try:
-        w = sup.slots[0].worker
-        before = sup.bad_messages
-        cp.on_control_frames(sup, frames)
+        w = sup.table.slots[0].worker
+        before = sup.messages.bad_messages
+        cp.on_control_frames(sup.messages, frames)
         assert caught.caught == []
         # nothing a stranger sends is accepted: without the spawn token no Hello is,
         # and without a Hello nothing else is
-        assert sup.bad_messages == before + 1
-        assert w is sup.slots[0].worker and w.identity is None and w.stats is None and w.kill_reason is None
+        assert sup.messages.bad_messages == before + 1
+        assert w is sup.table.slots[0].worker and w.identity is None and w.stats is None and w.kill_reason is None
     finally:
         close(sup)
 
@@ -176,11 +174,11 @@ def test_ops_frames_always_get_a_well_formed_reply(tmp_path: Path, caught: _Exce
                                                    channel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sup = make_supervisor(tmp_path)
     # reload re-reads config and topology: keep it off this machine's /etc and sysfs
-    monkeypatch.setattr(sup, "config_path", str(tmp_path / "missing.toml"))
+    monkeypatch.setattr(sup.reloader, "config_path", str(tmp_path / "missing.toml"))
     monkeypatch.setattr(subprocess, "Popen", None)   # nothing may start a process
     try:
         async def go() -> list[bytes] | None:
-            out = await cp.on_ops_frames(sup, frames, channel, readonly=channel == "ipc-readonly")
+            out = await cp.on_ops_frames(sup, sup.plane, frames, channel, readonly=channel == "ipc-readonly")
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
             return out
@@ -214,16 +212,16 @@ def test_a_verified_hello_then_nan_stats_are_refused(tmp_path: Path, caught: _Ex
     try:
         async def go() -> None:
             hello = m.Hello(slot=0, generation=1, pid=NO_SUCH_PID, token="t" * 32)
-            cp.on_control_frames(sup, [b"me", m.encode(hello)])
-            w = sup.slots[0].worker
+            cp.on_control_frames(sup.messages, [b"me", m.encode(hello)])
+            w = sup.table.slots[0].worker
             assert w is not None and w.identity == b"me"
-            bad = sup.bad_messages
+            bad = sup.messages.bad_messages
             for msg in (m.Stats(slot=0, generation=1, requests=1, inflight=0, latency_ms={"p50": math.nan}),
                         m.Stats(slot=0, generation=1, requests=1, inflight=0, extra={"latency_buckets": [-1]}),
                         m.Heartbeat(slot=0, generation=1, loop_lag=math.inf, mono=0.0)):
-                cp.on_control_frames(sup, [b"me", m.encode(msg)])
-            assert sup.bad_messages == bad + 3 and w.stats is None
-            cp.on_control_frames(sup, [b"me", m.encode(m.Stats(slot=0, generation=1, requests=5, inflight=1))])
+                cp.on_control_frames(sup.messages, [b"me", m.encode(msg)])
+            assert sup.messages.bad_messages == bad + 3 and w.stats is None
+            cp.on_control_frames(sup.messages, [b"me", m.encode(m.Stats(slot=0, generation=1, requests=5, inflight=1))])
             assert w.stats is not None and w.stats.requests == 5
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
@@ -240,23 +238,23 @@ def test_stats_riding_on_a_beat_are_checked_and_the_beat_stands(tmp_path: Path, 
     try:
         async def go() -> None:
             hello = m.Hello(slot=0, generation=1, pid=NO_SUCH_PID, token="t" * 32)
-            cp.on_control_frames(sup, [b"me", m.encode(hello)])
-            w = sup.slots[0].worker
+            cp.on_control_frames(sup.messages, [b"me", m.encode(hello)])
+            w = sup.table.slots[0].worker
             assert w is not None and w.identity == b"me"
-            bad = sup.bad_messages
+            bad = sup.messages.bad_messages
             nan_stats = m.Stats(slot=0, generation=1, requests=1, inflight=0, latency_ms={"p50": math.nan})
             foreign = m.Stats(slot=1, generation=1, requests=9, inflight=0)
             for stats in (nan_stats, foreign):
                 w.last_beat = 0.0
-                cp.on_control_frames(sup, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.25,
+                cp.on_control_frames(sup.messages, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.25,
                                                                       mono=1.0, stats=stats))])
                 assert w.last_beat > 0.0 and w.loop_lag == 0.25 and w.stats is None
-            assert sup.bad_messages == bad + 2
+            assert sup.messages.bad_messages == bad + 2
             good = m.Stats(slot=0, generation=1, requests=7, inflight=2, rss_bytes=4096)
-            cp.on_control_frames(sup, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=2.0,
+            cp.on_control_frames(sup.messages, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=2.0,
                                                                   stats=good))])
             assert w.stats == good and w.rss_bytes == 4096 and w.loop_lag == 0.0
-            assert sup.bad_messages == bad + 2
+            assert sup.messages.bad_messages == bad + 2
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
 
@@ -272,17 +270,17 @@ def test_protocol_mismatch_signals_only_a_verified_worker(tmp_path: Path) -> Non
     sup = make_supervisor(tmp_path)
     try:
         signalled: list[tuple[int, int]] = []
-        sup._signal = lambda w, sig: signalled.append((w.pid, sig))  # type: ignore[method-assign]
-        w = sup.slots[0].worker
+        sup.table.send_signal = lambda pid, sig: signalled.append((pid, sig))
+        w = sup.table.slots[0].worker
         assert w is not None
         hello99 = m.Hello(protocol=99, slot=0, generation=1, pid=NO_SUCH_PID)
         # a stranger (wrong pid by SO_PEERCRED, no token) naming the worker: refused, nobody signalled
-        sup.handle_worker_msg(b"x", hello99, PeerCred(0, 0, 12345))
-        sup.handle_worker_msg(b"x", hello99, None)
-        assert signalled == [] and w.kill_reason is None and sup.rejected[0] == 2
+        sup.messages.handle_worker_msg(b"x", hello99, PeerCred(0, 0, 12345))
+        sup.messages.handle_worker_msg(b"x", hello99, None)
+        assert signalled == [] and w.kill_reason is None and sup.messages.rejected[0] == 2
         # the worker itself (token and kernel pid match) speaking another protocol: told to go, with the reason
         good = m.Hello(protocol=99, slot=0, generation=1, pid=NO_SUCH_PID, token="t" * 32)
-        sup.handle_worker_msg(b"w", good, PeerCred(0, 0, NO_SUCH_PID))
+        sup.messages.handle_worker_msg(b"w", good, PeerCred(0, 0, NO_SUCH_PID))
         assert signalled == [(NO_SUCH_PID, 15)] and "protocol 99" in (w.kill_reason or "")
         assert w.identity is None   # refused all the same
     finally:

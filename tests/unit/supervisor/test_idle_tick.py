@@ -26,8 +26,8 @@ def test_grid_points_and_the_wait_to_just_after_the_next_one() -> None:
 
 def _sup(beats: list[float | None], settled: bool = True, interval: float = 1.0) -> SimpleNamespace:
     slots = {i: SimpleNamespace(worker=SimpleNamespace(last_beat=b)) for i, b in enumerate(beats)}
-    return SimpleNamespace(_settled=lambda: settled, slots=slots,
-                           cfg=SimpleNamespace(supervisor=SimpleNamespace(heartbeat_interval=interval)))
+    table = SimpleNamespace(slots=slots, cfg=SimpleNamespace(supervisor=SimpleNamespace(heartbeat_interval=interval)))
+    return SimpleNamespace(_settled=lambda: settled, table=table)
 
 
 def test_the_channel_is_held_only_while_settled_and_every_beat_of_the_last_grid_point_is_in() -> None:

@@ -62,8 +62,8 @@ def rss(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
 def _serving(cfg: Config) -> FakeSlots:
     f = FakeSlots(1, cfg=cfg, nodes=1, auto_ready=False)
     for slot in f.slots.values():
-        f.life.start_worker(slot, 0.0)
-        f.life.on_ready(slot, slot.worker, 0.5)
+        f.start_worker(slot, 0.0)
+        f.on_ready(slot, slot.worker, 0.5)
     f.auto_ready = True
     return f
 
@@ -76,9 +76,9 @@ def _cfg(**leak: Any) -> Config:
 def test_a_deferred_worker_is_recycled_at_the_first_tick_after_the_operation_ends(rss: dict[int, int]) -> None:
     async def main() -> None:
         f = _serving(_cfg(uss_interval_s=0.0))
-        ops = Operations(f)
+        ops = Operations(f, f)
         other, gate = held_operation(ops, [0])
-        lw = LeakWatch(f, ops)
+        lw = LeakWatch(f, f, ops)
         lw.budget = 100 * MiB
         w = f.slots[0].worker
         rss[w.pid] = 90 * MiB                         # past the soft cap, under the hard one

@@ -21,25 +21,25 @@ from numaserve.supervisor.lifecycle import (
 def started(n: int = 2, **kw: object) -> FakeSlots:
     f = FakeSlots(n, auto_ready=False, **kw)  # type: ignore[arg-type]
     for slot in f.slots.values():
-        f.life.start_worker(slot, 0.0)
+        f.start_worker(slot, 0.0)
     return f
 
 
 def ready(f: FakeSlots, now: float = 1.0) -> None:
     for slot in f.slots.values():
         assert slot.worker is not None
-        f.life.on_ready(slot, slot.worker, now)
+        f.on_ready(slot, slot.worker, now)
 
 
 def test_start_then_ready_then_running() -> None:
     f = started()
     assert [s.state for s in f.slots.values()] == [S.STARTING, S.STARTING]
     assert [s.worker.generation for s in f.slots.values() if s.worker] == [1, 1]
-    assert f.life.readiness(0.5, "starting") == "starting"
+    assert f.readiness(0.5, "starting") == "starting"
     ready(f)
     assert all(s.state == S.READY and s.ever_ready for s in f.slots.values())
-    assert f.life.readiness(1.0, "starting") == "running"
-    assert f.life.all_ready_logged
+    assert f.readiness(1.0, "starting") == "running"
+    assert f.all_ready_logged
 
 
 def test_a_crash_while_serving_backs_off_exponentially_then_restarts() -> None:
@@ -54,11 +54,11 @@ def test_a_crash_while_serving_backs_off_exponentially_then_restarts() -> None:
         assert slot.state == S.BACKOFF and slot.worker is None
         assert slot.last_exit_kind == X.CRASH
         delays.append(round(slot.next_start - 10.0 * (i + 1), 6))
-        f.life.restart_due(slot.next_start - 0.01)
+        f.restart_due(slot.next_start - 0.01)
         assert slot.worker is None                 # not before the delay
-        f.life.restart_due(slot.next_start)
+        f.restart_due(slot.next_start)
         assert slot.state == S.STARTING and slot.worker is not None
-        f.life.on_ready(slot, slot.worker, slot.next_start + 0.1)
+        f.on_ready(slot, slot.worker, slot.next_start + 0.1)
     assert delays == [0.1, 0.2]                     # initial, doubled (jitter 0)
     assert slot.restarts == 2 and slot.generation == 3
     assert slot.totals_before.exits_by_kind == {X.CRASH: 2}
@@ -70,19 +70,19 @@ def test_crash_loop_fails_the_slot_and_a_retry_gets_one_attempt() -> None:
     slot = f.slots[0]
     for t in (1.0, 2.0, 3.0):   # loop_limit=3 within the window
         if slot.worker is None:
-            f.life.restart_due(slot.next_start)
+            f.restart_due(slot.next_start)
         assert slot.worker is not None
         f.exit(slot.worker, 1, now=t)
     assert slot.state == S.FAILED and slot.next_retry == 3.0 + f.policy.failed_retry
-    assert f.life.readiness(4.0, "running") == "degraded"
+    assert f.readiness(4.0, "running") == "degraded"
     t = slot.next_retry
-    f.life.restart_due(t)
+    f.restart_due(t)
     assert slot.state == S.STARTING and slot.retrying
     f.exit(slot.worker, 1, now=t + 1)
     assert slot.state == S.FAILED                   # one failure sends a retried slot back
     t = slot.next_retry
-    f.life.restart_due(t)
-    f.life.on_ready(slot, slot.worker, t + 1)
+    f.restart_due(t)
+    f.on_ready(slot, slot.worker, t + 1)
     assert slot.state == S.READY and not slot.retrying and not slot.restart.crashes
 
 
@@ -94,9 +94,9 @@ def test_app_load_failure_at_boot_fails_fast_and_then_the_service() -> None:
     assert [s.state for s in f.slots.values()] == [S.FAILED, S.FAILED]
     assert f.slots[0].failed_reason == "app failed to load: No module named 'myapp'"
     assert f.slots[0].last_exit_kind == X.BOOT
-    f.life.check_boot_failure()
-    assert f.life.fatal is not None and "No module named 'myapp'" in f.life.fatal
-    assert f.life.exit_code == EXIT_NO_SLOT
+    f.check_boot_failure()
+    assert f.fatal is not None and "No module named 'myapp'" in f.fatal
+    assert f.exit_code == EXIT_NO_SLOT
 
 
 def test_a_boot_failure_after_the_service_served_is_retried_not_fatal() -> None:
@@ -104,11 +104,11 @@ def test_a_boot_failure_after_the_service_served_is_retried_not_fatal() -> None:
     ready(f)
     slot = f.slots[0]
     f.exit(slot.worker, 1, now=5.0)
-    f.life.restart_due(slot.next_start)
+    f.restart_due(slot.next_start)
     f.exit(slot.worker, LAUNCH_EXIT_BIND_FAILED, now=5.5)   # never ready, binding failed
     assert slot.state == S.BACKOFF and slot.last_exit_kind == X.BOOT
-    f.life.check_boot_failure()
-    assert f.life.fatal is None
+    f.check_boot_failure()
+    assert f.fatal is None
 
 
 def test_sigkill_from_outside_restarts_at_once_and_is_not_a_crash() -> None:
@@ -125,7 +125,7 @@ def test_spawn_failure_backs_off_with_the_reason() -> None:
     f = FakeSlots(1, auto_ready=False)
     f.fail_spawn = "Too many open files"
     slot = f.slots[0]
-    f.life.start_worker(slot, 0.0)
+    f.start_worker(slot, 0.0)
     assert slot.state == S.BACKOFF and slot.worker is None
     assert slot.last_restart_reason == "spawn failed: Too many open files"
 
@@ -147,13 +147,13 @@ def test_watchdog_ready_timeout_sends_sigabrt_then_sigkill() -> None:
     w = f.slots[0].worker
     w.hello = w.last_beat = None              # booting: no Hello yet, so no heartbeat to miss
     sup = cfg.supervisor
-    f.life.watchdog(sup.ready_timeout - 1)
+    f.watchdog(sup.ready_timeout - 1)
     assert f.signals == []
-    f.life.watchdog(sup.ready_timeout + 0.1)
+    f.watchdog(sup.ready_timeout + 0.1)
     assert f.signals == [(w.pid, signal.SIGABRT)]
     assert w.kill_reason == ("supervisor.ready_timeout = 60 exceeded while loading (elapsed 60 s); "
                              "raise it or set 0 for none")
-    f.life.watchdog(sup.ready_timeout + 0.1 + sup.abort_grace)
+    f.watchdog(sup.ready_timeout + 0.1 + sup.abort_grace)
     assert f.signals[-1] == (w.pid, signal.SIGKILL) and w.kill_sent is not None
     f.exit(w, -signal.SIGKILL, now=sup.ready_timeout + sup.abort_grace + 1)
     assert f.slots[0].last_exit_kind == X.HANG and f.slots[0].state == S.BACKOFF
@@ -166,12 +166,12 @@ def test_silent_worker_leaves_steering_then_is_killed_for_the_hang() -> None:
     ready(f, now=0.0)
     w = f.slots[0].worker
     w.last_beat = 0.0
-    f.life.watchdog(2.5)                      # > 2 heartbeat intervals: unresponsive
+    f.watchdog(2.5)                      # > 2 heartbeat intervals: unresponsive
     assert w.unresponsive_since == 2.5 and f.signals == []
     w.last_beat = 3.0
-    f.life.watchdog(3.1)
+    f.watchdog(3.1)
     assert w.unresponsive_since is None       # back
-    f.life.watchdog(13.5)
+    f.watchdog(13.5)
     assert f.signals == [(w.pid, signal.SIGABRT)] and w.kill_reason.startswith("hung: no heartbeat")
 
 
@@ -180,10 +180,10 @@ def test_a_stop_past_its_deadline_is_killed_and_counts_as_forced_while_stopping(
     f = started(1, cfg=cfg)
     ready(f)
     w = f.slots[0].worker
-    f.life.stopping = True
+    f.stopping = True
     w.stop_sent, w.stop_deadline = 1.0, 2.0
-    f.life.watchdog(1.0 + 2.0 + cfg.supervisor.stop_timeout + 0.1)
-    assert f.signals == [(w.pid, signal.SIGKILL)] and f.life.forced_kills
+    f.watchdog(1.0 + 2.0 + cfg.supervisor.stop_timeout + 0.1)
+    assert f.signals == [(w.pid, signal.SIGKILL)] and f.forced_kills
 
 
 def test_describe_exit_names_signals_and_launcher_codes() -> None:
@@ -215,7 +215,7 @@ def test_a_loading_worker_whose_cpu_time_moves_is_not_killed_without_heartbeats(
     w = slot.worker
     for t in range(0, 600, 5):                 # ten minutes holding the GIL: no beat, CPU moving
         f.samples[w.pid] = _sample(cpu=t)
-        f.life.watchdog(float(t))
+        f.watchdog(float(t))
     assert f.signals == [] and w.kill_reason is None
     assert slot.status(600.0)["state"] == S.LOADING and slot.status(600.0)["loading"]["elapsed_s"] == 600.0
 
@@ -225,9 +225,9 @@ def test_a_loading_worker_with_no_sign_of_life_is_killed_as_stalled() -> None:
     w = f.slots[0].worker
     f.samples[w.pid] = _sample(cpu=7, state="D")
     for t in (1.0, 5.0, 10.0):
-        f.life.watchdog(t)
+        f.watchdog(t)
     assert f.signals == []
-    f.life.watchdog(10.5)
+    f.watchdog(10.5)
     assert f.signals == [(w.pid, signal.SIGABRT)]
     assert "stalled while loading" in w.kill_reason and "supervisor.heartbeat_timeout = 10" in w.kill_reason
     assert "state D" in w.kill_reason
@@ -238,9 +238,9 @@ def test_a_sigstopped_loading_worker_is_killed_and_retried_at_once() -> None:
     slot = f.slots[0]
     w = slot.worker
     f.samples[w.pid] = _sample(cpu=3, state="T")
-    f.life.frozen = lambda pid: True
-    f.life.watchdog(1.0)
-    f.life.watchdog(11.0)
+    f.frozen = lambda pid: True
+    f.watchdog(1.0)
+    f.watchdog(11.0)
     assert f.signals == [(w.pid, signal.SIGABRT)] and w.kill_reason.startswith("frozen from outside (SIGSTOP)")
     f.exit(w, -signal.SIGKILL, now=12.0)
     assert slot.last_exit_kind == X.EXTERNAL and slot.state == S.BACKOFF and slot.next_start == 12.0
@@ -252,16 +252,16 @@ def test_sigkill_from_outside_while_loading_six_times_is_retried_never_failed_ev
     for i in range(6):
         now = 1.0 + i
         if slot.worker is None:
-            f.life.restart_due(slot.next_start)
+            f.restart_due(slot.next_start)
         f.exit(slot.worker, -signal.SIGKILL, now=now)
-        f.life.check_boot_failure()
+        f.check_boot_failure()
         assert slot.state == S.BACKOFF and slot.last_exit_kind == X.EXTERNAL, i
         assert slot.next_start - now <= f.policy.maximum * (1 + f.policy.jitter)   # capped, not failed_retry
-    assert f.life.fatal is None and f.life.exit_code == 0
-    assert f.life.readiness(7.0, "starting") == "failed"      # every slot down: loudly failed, still retrying
-    f.life.restart_due(slot.next_start)
-    f.life.on_ready(slot, slot.worker, slot.next_start + 1)
-    assert f.life.readiness(slot.next_start + 1, "failed") == "running"
+    assert f.fatal is None and f.exit_code == 0
+    assert f.readiness(7.0, "starting") == "failed"      # every slot down: loudly failed, still retrying
+    f.restart_due(slot.next_start)
+    f.on_ready(slot, slot.worker, slot.next_start + 1)
+    assert f.readiness(slot.next_start + 1, "failed") == "running"
 
 
 def test_all_slots_down_is_failed_then_degraded_when_one_is_back() -> None:
@@ -269,19 +269,19 @@ def test_all_slots_down_is_failed_then_degraded_when_one_is_back() -> None:
     ready(f)
     for slot in f.slots.values():
         f.exit(slot.worker, -signal.SIGKILL, now=5.0)
-    assert f.life.readiness(5.0, "running") == "failed"
+    assert f.readiness(5.0, "running") == "failed"
     s0 = f.slots[0]
-    f.life.restart_due(s0.next_start)
-    assert f.life.readiness(5.1, "failed") == "failed"         # loading again is not serving
-    f.life.on_ready(s0, s0.worker, 6.0)
-    assert f.life.readiness(6.0, "failed") == "degraded"
+    f.restart_due(s0.next_start)
+    assert f.readiness(5.1, "failed") == "failed"         # loading again is not serving
+    f.on_ready(s0, s0.worker, 6.0)
+    assert f.readiness(6.0, "failed") == "degraded"
 
 
 def test_the_apps_own_boot_failure_at_first_start_still_exits_3() -> None:
     f = started(1)
     f.exit(f.slots[0].worker, WORKER_EXIT_APP_LOAD, now=1.0)
-    f.life.check_boot_failure()
-    assert f.life.exit_code == EXIT_NO_SLOT
+    f.check_boot_failure()
+    assert f.exit_code == EXIT_NO_SLOT
 
 
 def test_an_oom_kill_while_loading_is_named_with_the_cgroup_limit_and_peak_rss(tmp_path) -> None:
@@ -292,13 +292,13 @@ def test_an_oom_kill_while_loading_is_named_with_the_cgroup_limit_and_peak_rss(t
     (cg / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 0\noom_group_kill 0\n")
     (cg / "memory.max").write_text("536870912\n")
     f = FakeSlots(1, auto_ready=False)
-    f.life.cgroup_of = lambda pid: str(cg)
+    f.cgroup_of = lambda pid: str(cg)
     slot = f.slots[0]
-    f.life.start_worker(slot, 0.0)
+    f.start_worker(slot, 0.0)
     w = slot.worker
     assert w.cgroup == str(cg) and w.oom_base == 0
     f.samples[w.pid] = ProcSample(state="R", cpu_ticks=1, faults=1, rss_bytes=500 << 20, io_bytes=1)
-    f.life.watchdog(1.0)
+    f.watchdog(1.0)
     (cg / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\noom_group_kill 0\n")
     f.exit(w, -signal.SIGKILL, now=2.0)
     assert slot.last_exit_kind == X.EXTERNAL and slot.state == S.BACKOFF
@@ -326,9 +326,9 @@ def test_a_cmd_worker_with_no_deadline_is_judged_by_its_process_tree() -> None:
     w.external = True
     f.samples[w.pid] = _sample(cpu=2, state="S")
     for t in (1.0, 5.0, 10.0):
-        f.life.watchdog(t)
+        f.watchdog(t)
     assert f.signals == []
-    f.life.watchdog(11.5)
+    f.watchdog(11.5)
     assert f.signals == [(w.pid, signal.SIGABRT)] and "stalled while loading" in w.kill_reason
 
     f = started(1, cfg=_loading_cfg())
@@ -336,7 +336,7 @@ def test_a_cmd_worker_with_no_deadline_is_judged_by_its_process_tree() -> None:
     w.external = True
     for t in range(0, 300, 5):                  # the tree's CPU time moves: loading, never killed
         f.samples[w.pid] = _sample(cpu=t)
-        f.life.watchdog(float(t))
+        f.watchdog(float(t))
     assert f.signals == [] and w.kill_reason is None
 
     f = started(1, cfg=_loading_cfg(ready_timeout=60.0))
@@ -344,7 +344,7 @@ def test_a_cmd_worker_with_no_deadline_is_judged_by_its_process_tree() -> None:
     w.external = True
     f.samples[w.pid] = _sample(cpu=2, state="S")
     for t in (1.0, 20.0, 59.0):
-        f.life.watchdog(t)
+        f.watchdog(t)
     assert f.signals == []                      # standing still, but the operator's deadline rules
-    f.life.watchdog(61.0)
+    f.watchdog(61.0)
     assert f.signals == [(w.pid, signal.SIGABRT)] and "supervisor.ready_timeout" in w.kill_reason

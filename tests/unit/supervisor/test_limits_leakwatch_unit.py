@@ -21,8 +21,8 @@ from numaserve.supervisor.operations import Operations
 def serving(n: int = 2, cfg: Config | None = None, nodes: int = 1) -> FakeSlots:
     f = FakeSlots(n, cfg=cfg, nodes=nodes, auto_ready=False)
     for slot in f.slots.values():
-        f.life.start_worker(slot, 0.0)
-        f.life.on_ready(slot, slot.worker, 0.5)
+        f.start_worker(slot, 0.0)
+        f.on_ready(slot, slot.worker, 0.5)
     f.auto_ready = True
     return f
 
@@ -33,7 +33,7 @@ def serving(n: int = 2, cfg: Config | None = None, nodes: int = 1) -> FakeSlots:
 def test_operator_override_pushes_to_the_node_and_acks_count() -> None:
     async def main() -> None:
         f = serving(4, nodes=2)
-        lim = LimitsManager(f)
+        lim = LimitsManager(f, f)
         touched = lim.override([], 1, 16, None, push=False)
         assert sorted(touched) == [1, 3]                   # node 1's slots only
         assert f.sent == []                                # push=False: nothing sent yet
@@ -50,7 +50,7 @@ def test_operator_override_pushes_to_the_node_and_acks_count() -> None:
 
 def test_a_new_worker_starts_at_its_slots_current_epoch() -> None:
     f = serving(1)
-    lim = LimitsManager(f)
+    lim = LimitsManager(f, f)
     lim.override([0], None, 8, None, push=False)
     f.sent.clear()
     w = f.slots[0].worker
@@ -61,8 +61,8 @@ def test_a_new_worker_starts_at_its_slots_current_epoch() -> None:
 
 def test_limits_do_nothing_while_stopping() -> None:
     f = serving(1)
-    lim = LimitsManager(f)
-    f.life.stopping = True
+    lim = LimitsManager(f, f)
+    f.stopping = True
     lim.tick(1e9)
     assert f.sent == [] and lim.last_decision == {}
 
@@ -86,7 +86,7 @@ def rss(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
 
 def test_hard_cap_kills_the_worker_through_slot_control(rss: dict[int, int]) -> None:
     f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
-    lw = LeakWatch(f, Operations(f))
+    lw = LeakWatch(f, f, Operations(f, f))
     lw.budget = 100 * 1024 * 1024
     w = f.slots[0].worker
     rss[w.pid] = 99 * 1024 * 1024                        # ≥ 95 % of the budget
@@ -102,8 +102,8 @@ def test_hard_cap_kills_the_worker_through_slot_control(rss: dict[int, int]) -> 
 def test_soft_cap_recycles_through_a_tracked_replace(rss: dict[int, int]) -> None:
     async def main() -> None:
         f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
-        ops = Operations(f)
-        lw = LeakWatch(f, ops)
+        ops = Operations(f, f)
+        lw = LeakWatch(f, f, ops)
         lw.budget = 100 * 1024 * 1024
         w = f.slots[0].worker
         rss[w.pid] = 90 * 1024 * 1024                    # past the soft cap, under the hard one
@@ -127,9 +127,9 @@ def test_soft_cap_recycles_through_a_tracked_replace(rss: dict[int, int]) -> Non
 def test_a_recycle_is_deferred_while_another_operation_runs(rss: dict[int, int]) -> None:
     async def main() -> None:
         f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
-        ops = Operations(f)
+        ops = Operations(f, f)
         other, gate = held_operation(ops, [0])
-        lw = LeakWatch(f, ops)
+        lw = LeakWatch(f, f, ops)
         lw.budget = 100 * 1024 * 1024
         w = f.slots[0].worker
         rss[w.pid] = 90 * 1024 * 1024
@@ -147,7 +147,7 @@ def test_uss_is_read_at_the_interval_while_rss_moves_and_rarely_while_flat(
     reads: list[float] = []
     monkeypatch.setattr(LW, "read_smaps_rollup", lambda pid: reads.append(now[0]) or {"Uss": 1, "Pss": 1})
     f = serving(1, cfg=leak_cfg(uss_interval_s=10.0))
-    lw = LeakWatch(f, Operations(f))
+    lw = LeakWatch(f, f, Operations(f, f))
     w = f.slots[0].worker
     rss[w.pid] = 50 << 20
     now = [0.0]
@@ -167,7 +167,7 @@ def test_unchanged_limits_are_resent_only_to_renew_the_lease() -> None:
     from numaserve.supervisor.limits import renew_due
 
     f = serving(2)
-    lim = LimitsManager(f)
+    lim = LimitsManager(f, f)
     lim.override([0, 1], None, 8, None, push=False)
     f.sent.clear()
     lim.push(0)
@@ -186,13 +186,13 @@ def test_unchanged_limits_are_resent_only_to_renew_the_lease() -> None:
 
 def test_a_new_generation_gets_the_limits_even_if_unchanged() -> None:
     f = serving(1)
-    lim = LimitsManager(f)
+    lim = LimitsManager(f, f)
     lim.override([0], None, 8, None, push=False)
     lim.push(0)
     f.sent.clear()
     old = f.slots[0].worker
     old.popen.exit(0)
-    f.slots[0].worker = f.life.spawn_generation(f.slots[0], 1.0)
+    f.slots[0].worker = f.spawn_generation(f.slots[0], 1.0)
     assert f.slots[0].worker.generation != old.generation
     lim.push(0)
     assert [pid for pid, _, _ in f.sent] == [f.slots[0].worker.pid]

@@ -23,8 +23,8 @@ def cfg(**placement: Any) -> Config:
 def serving(n: int, c: Config) -> FakeSlots:
     f = FakeSlots(n, cfg=c, nodes=2, auto_ready=False)
     for slot in f.slots.values():
-        f.life.start_worker(slot, 0.0)
-        f.life.on_ready(slot, slot.worker, 0.5)
+        f.start_worker(slot, 0.0)
+        f.on_ready(slot, slot.worker, 0.5)
     f.auto_ready = True
     return f
 
@@ -55,7 +55,7 @@ class World:
 
 
 def watch(f: FakeSlots, world: World, ops: Operations | None = None) -> LocalityWatch:
-    return LocalityWatch(f, ops or Operations(f), lambda node: (node * 2, node * 2 + 1),
+    return LocalityWatch(f, ops or Operations(f, f), lambda node: (node * 2, node * 2 + 1),
                          sampler=world.sample, migrator=world.migrate, clock=lambda: 100.0)
 
 
@@ -111,7 +111,7 @@ def test_a_failed_migrate_is_counted_with_its_error() -> None:
 def test_recycle_replaces_the_worker_make_before_break() -> None:
     async def main() -> None:
         f = serving(1, cfg(locality_interval=1.0, repair="recycle", repair_hold=2))
-        ops = Operations(f)
+        ops = Operations(f, f)
         world = World()
         lw = watch(f, world, ops)
         world.ratio[f.slots[0].worker.pid] = 0.3
@@ -134,7 +134,7 @@ def test_recycle_replaces_the_worker_make_before_break() -> None:
 def test_recycle_waits_for_a_running_operation_then_happens() -> None:
     async def main() -> None:
         f = serving(1, cfg(locality_interval=1.0, repair="recycle", repair_hold=1))
-        ops = Operations(f)
+        ops = Operations(f, f)
         other, gate = held_operation(ops, [0])
         world = World()
         lw = watch(f, world, ops)

@@ -17,8 +17,8 @@ from numaserve.supervisor.operations import Operation, Operations
 def serving(n: int = 2, **kw: Any) -> FakeSlots:
     f = FakeSlots(n, auto_ready=False, **kw)
     for slot in f.slots.values():
-        f.life.start_worker(slot, 0.0)
-        f.life.on_ready(slot, slot.worker, 0.5)
+        f.start_worker(slot, 0.0)
+        f.on_ready(slot, slot.worker, 0.5)
     f.auto_ready = True
     f.calls.clear()
     return f
@@ -33,7 +33,7 @@ async def run(ops: Operations, kind: str, slots: list[int], body: Any) -> Operat
 def test_replace_is_make_before_break() -> None:
     async def main() -> None:
         f = serving(1)
-        ops = Operations(f)
+        ops = Operations(f, f)
         slot = f.slots[0]
         old = slot.worker
         op = await run(ops, "restart", [0], lambda op: ops.roll(op, [slot], 5.0, 1))
@@ -54,7 +54,7 @@ def test_replace_keeps_the_old_worker_when_the_new_one_dies() -> None:
     async def main() -> None:
         f = serving(1)
         f.auto_ready = False
-        ops = Operations(f)
+        ops = Operations(f, f)
         slot = f.slots[0]
         old = slot.worker
 
@@ -78,17 +78,17 @@ def test_replace_keeps_the_old_worker_when_the_new_one_dies() -> None:
 def test_roll_stops_at_the_first_failed_batch() -> None:
     async def main() -> None:
         f = serving(3)
-        ops = Operations(f)
+        ops = Operations(f, f)
         spawned = []
         orig = f._spawn
 
-        def spawn(plan: Any, generation: int, now: float) -> Any:
+        def spawn(cfg: Any, plan: Any, generation: int, now: float) -> Any:
             if plan.slot == 1:
                 raise OSError("no memory")
             spawned.append(plan.slot)
-            return orig(plan, generation, now)
+            return orig(cfg, plan, generation, now)
 
-        f.life.spawn_worker = spawn
+        f.spawn_worker = spawn
         op = await run(ops, "restart", [0, 1, 2], lambda op: ops.roll(op, list(f.slots.values()), 5.0, 1))
         assert op.state == "failed"
         assert op.result.startswith("slot 1: could not spawn the new worker: no memory; old worker kept")
@@ -102,7 +102,7 @@ def test_roll_stops_at_the_first_failed_batch() -> None:
 def test_drain_steers_first_waits_for_the_queue_then_drains() -> None:
     async def main() -> None:
         f = serving(2)
-        ops = Operations(f)
+        ops = Operations(f, f)
         slot = f.slots[1]
         op = await run(ops, "drain", [1], lambda op: ops.drain_slots(op, [slot], 2.0))
         assert op.state == "succeeded", op.result
@@ -121,7 +121,7 @@ def test_drain_steers_first_waits_for_the_queue_then_drains() -> None:
 def test_drain_times_out_naming_the_work_left() -> None:
     async def main() -> None:
         f = serving(1, exit_on_stop=False)
-        ops = Operations(f)
+        ops = Operations(f, f)
         slot = f.slots[0]
         op = await run(ops, "drain", [0], lambda op: ops.drain_slots(op, [slot], 0.3))
         assert op.state == "failed"
@@ -134,14 +134,14 @@ def test_drain_times_out_naming_the_work_left() -> None:
 def test_one_mutating_operation_at_a_time_and_none_while_stopping() -> None:
     async def main() -> None:
         f = serving(1)
-        ops = Operations(f)
+        ops = Operations(f, f)
         first, gate = held_operation(ops, [0])
         with pytest.raises(NumaserveError, match=f"operation {first.id} \\(restart\\) is still running"):
             held_operation(ops, [0], "drain")
         gate.set()
         await first.done.wait()
         assert first.state == "succeeded" and first.result == "held" and f.wake.is_set()
-        f.life.stopping = True
+        f.stopping = True
         with pytest.raises(NumaserveError, match="stopping"):
             held_operation(ops, [0], "drain")
 
@@ -151,7 +151,7 @@ def test_one_mutating_operation_at_a_time_and_none_while_stopping() -> None:
 def test_a_bug_in_a_body_fails_the_operation_not_the_caller() -> None:
     async def main() -> None:
         f = serving(1)
-        ops = Operations(f)
+        ops = Operations(f, f)
         seen: list[str] = []
 
         async def broken(op: Operation) -> str:
@@ -168,7 +168,7 @@ def test_a_bug_in_a_body_fails_the_operation_not_the_caller() -> None:
 def test_roll_starts_the_next_slot_while_the_previous_old_worker_drains() -> None:
     async def main() -> None:
         f = serving(3, exit_on_stop=False)
-        ops = Operations(f)
+        ops = Operations(f, f)
         olds = {s: sl.worker for s, sl in f.slots.items()}
         op = ops.start("reload", {}, [0, 1, 2], lambda op: ops.roll(op, list(f.slots.values()), 5.0, 1))
         for _ in range(50):
@@ -195,7 +195,7 @@ def test_roll_fails_when_an_old_worker_never_exits() -> None:
         cfg = Config()
         cfg.supervisor.stop_timeout = 0.05
         f = serving(2, exit_on_stop=False, cfg=cfg)
-        ops = Operations(f)
+        ops = Operations(f, f)
         olds = {s: sl.worker for s, sl in f.slots.items()}
         # the wait for an old worker is drain timeout + stop_timeout + 5 s: make it 0.15 s
         op = ops.start("reload", {}, [0, 1], lambda op: ops.roll(op, list(f.slots.values()), -4.9, 1))
