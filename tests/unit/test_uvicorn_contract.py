@@ -26,8 +26,7 @@ from numaserve.worker import httpproto
 
 
 def _pairs() -> list[tuple[type, type]]:
-    proto = httpproto.guarded_httptools_protocol(65536, 5.0)
-    return [(proto, HttpToolsProtocol), (httpproto.LeanCycle, RequestResponseCycle)]
+    return [(httpproto.GuardedHttpToolsProtocol, HttpToolsProtocol), (httpproto.LeanCycle, RequestResponseCycle)]
 
 
 def _own_methods(cls: type) -> dict[str, Any]:
