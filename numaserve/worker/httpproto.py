@@ -42,7 +42,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import urllib.parse
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, service_unavailable
@@ -56,9 +57,18 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from numaserve.errors_http import error_body, error_headers
-from numaserve.worker.shedding import DEADLINE_HEADER, PERMIT_KEY
+from numaserve.loops.cpu_gate import CpuPermit
+from numaserve.worker.shedding import (
+    DEADLINE_HEADER,
+    PERMIT_KEY,
+    TCP_ESTABLISHED,
+    AdmissionRuntime,
+    reject_response,
+    request_deadline,
+    tcp_wait_and_state,
+)
 
-__all__ = ["LeanCycle", "guarded_httptools_protocol"]
+__all__ = ["GuardedHttpToolsProtocol", "LeanCycle", "ProtocolSettings", "connection_limit_503"]
 
 #: (name, value) header pairs already checked for forbidden bytes; cleared when full.
 _VALID: set[tuple[bytes, bytes]] = set()
@@ -373,457 +383,482 @@ def _foldable_edge(app: Any, rt: Any) -> Any:
     return None
 
 
-def guarded_httptools_protocol(max_header_bytes: int, header_timeout: float,
-                               admission: Any = None) -> type[asyncio.Protocol]:
-    """The worker's httptools protocol class (see the module docstring).
+@dataclass(frozen=True, slots=True)
+class ProtocolSettings:
+    """What a worker's HTTP protocol is configured with, built once per worker.
 
-    ``admission``: an ``AdmissionRuntime`` deciding admission at head-complete, or None.
+    ``max_header_bytes`` (0: no limit) / ``header_timeout`` (s, 0: none): the 431 and 408
+    limits; ``admission``: the ``AdmissionRuntime`` deciding admission at head-complete,
+    or None.
     """
-    rt = admission
-    gate = rt.gate if rt is not None else None
-    clock = rt.clock if rt is not None else None
-    default_timeout = rt.s.request_timeout_s if rt is not None else 0.0
-    if rt is not None:
-        from numaserve.loops.cpu_gate import CpuPermit
-        from numaserve.worker.shedding import (
-            TCP_ESTABLISHED,
-            reject_response,
-            request_deadline,
-            tcp_wait_and_state,
-        )
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        """HttpToolsProtocol + 431/408 limits + admission at head-complete + ``LeanCycle``."""
+    max_header_bytes: int
+    header_timeout: float
+    admission: AdmissionRuntime | None = None
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._max_header_bytes = max_header_bytes   # (instance attributes: read per request)
-            self._header_timeout = header_timeout
-            self._fold = _foldable_edge(self.app, rt)
-            self._reset_context = bool(getattr(self.config, "reset_contextvars", False))
-            self._task_done = self.tasks.discard
-            self._in_headers = True
-            self._exact_head = False    # this read may hold a head over the limit: count it exactly
-            self._raw_header_bytes = 0  # of the current request's head, received while it is incomplete
-            self._began = False         # a request began in the read being parsed
-            self._too_large = False
-            self._header_timer: asyncio.TimerHandle | None = None
-            self._idle_since: float | None = None
-            self._ka_timer: asyncio.TimerHandle | None = None
-            self._ns_reject: Any = None
-            self._ns_drop = False
-            self._ns_deadline = False   # this request's head has an x-request-timeout
-            self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
-            self._owned: dict[Any, Any] = {}   # request task -> its permit (released when done)
-            self.lost = False           # connection_lost ran (``numaserve.worker.permits``)
-            self._current: Any = None   # the cycle whose task was started last
-            self._final: bytes | None = None   # an error answer waiting for the pipeline ahead of it
-            self._linger_timer: asyncio.TimerHandle | None = None
-            self._linger_left = 0       # bytes still read and dropped before a lingering close
+    def __post_init__(self) -> None:
+        if self.max_header_bytes < 0:
+            raise ValueError(f"max_header_bytes must be >= 0, got {self.max_header_bytes}")
+        if self.header_timeout < 0:
+            raise ValueError(f"header_timeout must be >= 0, got {self.header_timeout}")
 
-        # --- connection ----------------------------------------------------------------------
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol + 431/408 limits + admission at head-complete + ``LeanCycle``.
+
+    uvicorn makes one per connection from the class alone (``Config(http=cls)``): a worker
+    serves ``GuardedHttpToolsProtocol.configured(settings)``, a subclass that only sets
+    ``settings``.  The settings are copied to instance attributes once per connection
+    (reads per request stay instance reads, as the closure variables were).
+    """
+
+    #: Set per worker by ``configured``; the default is no limits and no admission.
+    settings: ClassVar[ProtocolSettings] = ProtocolSettings(0, 0.0)
+
+    @classmethod
+    def configured(cls, settings: ProtocolSettings) -> type[GuardedHttpToolsProtocol]:
+        """This protocol class with ``settings``, for ``uvicorn.Config(http=...)``."""
+        return type(cls.__name__, (cls,), {"settings": settings, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.settings
+        rt = s.admission
+        self._max_header_bytes = s.max_header_bytes   # (instance attributes: read per request)
+        self._header_timeout = s.header_timeout
+        self._rt = rt
+        self._gate = rt.gate if rt is not None else None
+        self._clock = rt.clock if rt is not None else None
+        self._default_timeout = rt.s.request_timeout_s if rt is not None else 0.0
+        self._fold = _foldable_edge(self.app, rt)
+        self._reset_context = bool(getattr(self.config, "reset_contextvars", False))
+        self._task_done = self.tasks.discard
+        self._in_headers = True
+        self._exact_head = False    # this read may hold a head over the limit: count it exactly
+        self._raw_header_bytes = 0  # of the current request's head, received while it is incomplete
+        self._began = False         # a request began in the read being parsed
+        self._too_large = False
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None
+        self._ka_timer: asyncio.TimerHandle | None = None
+        self._ns_reject: Any = None
+        self._ns_drop = False
+        self._ns_deadline = False   # this request's head has an x-request-timeout
+        self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
+        self._owned: dict[Any, Any] = {}   # request task -> its permit (released when done)
+        self.lost = False           # connection_lost ran (``numaserve.worker.permits``)
+        self._current: Any = None   # the cycle whose task was started last
+        self._final: bytes | None = None   # an error answer waiting for the pipeline ahead of it
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_left = 0       # bytes still read and dropped before a lingering close
+
+    # --- connection ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._cancel_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        if self._rt is not None:
+            self._release_unstarted()
+        if self._ka_timer is not None:
+            self._ka_timer.cancel()
+            self._ka_timer = None
+        self.connections.discard(self)
+        cycle = self.cycle
+        if cycle is not None:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+            cycle.notify()
+        if self.flow is not None:
+            self.flow.resume_writing()
+        if exc is None:
+            self.transport.close()
+        self.parser = None  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._ns_drop:   # answered and closing: the rest is not ours to parse
+            if self._linger_timer is not None:
+                self._linger_left -= len(data)
+                if self._linger_left <= 0:
+                    self.transport.close()
+            return
+        self._idle_since = None
+        if self._max_header_bytes:
+            self._exact_head = self._raw_header_bytes + len(data) > self._max_header_bytes
+        self._began = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._grant is not None:   # admitted, then the head failed: no request to own it
+                grant, self._grant = self._grant, None
+                self._gate.release(self._clock(), grant, "bad_request")
+            if self._ns_reject is not None or self._ns_drop:
+                self._refused()
+            elif self._too_large:  # our callback stopped the parser: say why
+                self._reject(431, self._too_large_message())
+            else:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self._reject(400, msg, log=False)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if not self._in_headers or self.transport.is_closing():
+            cycle = self.cycle
+            if cycle is not None and cycle.response_complete and self._header_timer is None \
+                    and not self.transport.is_closing():
+                self._arm_header_timer()   # the rest of an answered request's body: read_timeout
+            return
+        if self._began:   # this head began inside this read: what of the read is its own
+            self._raw_header_bytes = self._head_bytes()   # (earlier requests' bytes are not)
+        else:
+            self._raw_header_bytes += len(data)
+        if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
+            self._reject(431, self._too_large_message())
+            return
+        if self._header_timer is None:
             self._arm_header_timer()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.lost = True
+    def send_400_response(self, msg: str) -> None:
+        self._reject(400, msg, log=False)
+
+    # --- parser callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {  # type: ignore[typeddict-item]
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
+        self._in_headers = True
+        self._raw_header_bytes = 0
+        self._began = True
+        self._ns_deadline = False
+
+    # on_url is uvicorn's own: the head is only counted exactly (below) when a read could
+    # hold more than max_header_bytes of it; smaller reads cannot exceed the limit and a head
+    # spread over reads is bounded by the raw count in data_received
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """uvicorn's, noting an ``x-request-timeout`` (the admission hook reads the headers
+        for a deadline only when one came)."""
+        name = name.lower()
+        if name == b"expect":
+            if value.lower() == b"100-continue":
+                self.expect_100_continue = True
+        elif name == DEADLINE_HEADER:
+            self._ns_deadline = True
+        self.headers.append((name, value))
+
+    def _head_bytes(self) -> int:
+        """The current head's bytes parsed so far (request target and complete header
+        lines; a header line still incomplete is counted with the next read, whole)."""
+        n = len(self.url)
+        for name, value in self.headers:
+            n += len(name) + len(value) + 4
+        return n
+
+    def _check_head_size(self) -> None:
+        if self._head_bytes() > self._max_header_bytes:
+            self._too_large = True
+            raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError
+
+    def on_headers_complete(self) -> None:
+        if self._exact_head:
+            self._check_head_size()
+        parser = self.parser
+        upgrade = parser.should_upgrade()
+        prev = self.cycle
+        if self._rt is not None and not upgrade and (prev is None or prev.response_complete):
+            # websockets are not gated here, nor a request pipelined behind a running one:
+            # it is decided by the edge when it starts (a permit counts a runnable request;
+            # a refusal then is answered in order, and the connection stays usable)
+            self._admit()
+        self._in_headers = False
+        if self._header_timer is not None:
             self._cancel_header_timer()
-            if self._linger_timer is not None:
-                self._linger_timer.cancel()
-                self._linger_timer = None
-            if rt is not None:
-                self._release_unstarted()
-            if self._ka_timer is not None:
-                self._ka_timer.cancel()
-                self._ka_timer = None
-            self.connections.discard(self)
-            cycle = self.cycle
-            if cycle is not None:
-                if not cycle.response_complete:
-                    cycle.disconnected = True
-                cycle.notify()
-            if self.flow is not None:
-                self.flow.resume_writing()
-            if exc is None:
-                self.transport.close()
-            self.parser = None  # type: ignore[assignment]
+        http_version = parser.get_http_version()
+        scope = self.scope
+        scope["method"] = parser.get_method().decode("ascii")
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        if upgrade and self._should_upgrade():
+            return
+        parsed_url = httptools.parse_url(self.url)
+        raw_path = parsed_url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        root_path = self.root_path
+        scope["path"] = root_path + path if root_path else path
+        scope["raw_path"] = root_path.encode("ascii") + raw_path if root_path else raw_path
+        scope["query_string"] = parsed_url.query or b""
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            app: Any = connection_limit_503
+            self.logger.warning("Exceeded concurrency limit.")
+            permit = scope.pop(PERMIT_KEY, None)
+            if permit is not None:   # admitted, but answered without the app: give it back
+                self._grant = None
+                self._gate.release(self._clock(), permit, "ignored")
+        else:
+            app = self.app
+        existing = self.cycle
+        self.cycle = LeanCycle(self, scope, http_version != "1.0" and parser.should_keep_alive(),
+                               self.expect_100_continue)
+        self.cycle.grant, self._grant = self._grant, None   # the request owns its permit now
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(self.cycle, app)
+        else:  # pipelined: queued behind the running one
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, app))
 
-        def data_received(self, data: bytes) -> None:
-            if self._ns_drop:   # answered and closing: the rest is not ours to parse
-                if self._linger_timer is not None:
-                    self._linger_left -= len(data)
-                    if self._linger_left <= 0:
-                        self.transport.close()
-                return
-            self._idle_since = None
-            if self._max_header_bytes:
-                self._exact_head = self._raw_header_bytes + len(data) > self._max_header_bytes
-            self._began = False
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                if self._grant is not None:   # admitted, then the head failed: no request to own it
-                    grant, self._grant = self._grant, None
-                    gate.release(clock(), grant, "bad_request")
-                if self._ns_reject is not None or self._ns_drop:
-                    self._refused()
-                elif self._too_large:  # our callback stopped the parser: say why
-                    self._reject(431, self._too_large_message())
-                else:
-                    msg = "Invalid HTTP request received."
-                    self.logger.warning(msg)
-                    self._reject(400, msg, log=False)
-                return
-            except httptools.HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade_warning()
-                return
-            if not self._in_headers or self.transport.is_closing():
-                cycle = self.cycle
-                if cycle is not None and cycle.response_complete and self._header_timer is None \
-                        and not self.transport.is_closing():
-                    self._arm_header_timer()   # the rest of an answered request's body: read_timeout
-                return
-            if self._began:   # this head began inside this read: what of the read is its own
-                self._raw_header_bytes = self._head_bytes()   # (earlier requests' bytes are not)
-            else:
-                self._raw_header_bytes += len(data)
-            if self._max_header_bytes and self._raw_header_bytes > self._max_header_bytes:
-                self._reject(431, self._too_large_message())
-                return
-            if self._header_timer is None:
-                self._arm_header_timer()
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        """uvicorn 0.54's, without its per-call lookups: a task per request, in a fresh
+        ``contextvars.Context`` with ``reset_contextvars`` (uvicorn's opt-in), registered in
+        ``server_state.tasks`` until done."""
+        if app is service_unavailable:
+            app = connection_limit_503
+        self._current = cycle
+        if self._reset_context:
+            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+        else:
+            task = self.loop.create_task(cycle.run_asgi(app))
+        grant = cycle.grant
+        if grant is None:
+            task.add_done_callback(self._task_done)
+        else:   # the task owns the permit now: released when it is done, however it ends
+            grant.task = task
+            self._owned[task] = grant
+            task.add_done_callback(self._owned_task_done)
+        self.tasks.add(task)
 
-        def send_400_response(self, msg: str) -> None:
-            self._reject(400, msg, log=False)
+    def _owned_task_done(self, task: asyncio.Task[None]) -> None:
+        """A request task ended: its permit is given back if the request did not (a task
+        cancelled before it ran never reaches its ``finally``)."""
+        self.tasks.discard(task)
+        grant = self._owned.pop(task, None)
+        if grant is not None and not grant.released:
+            self._gate.release(self._clock(), grant, "dropped")
 
-        # --- parser callbacks ------------------------------------------------------------------
-
-        def on_message_begin(self) -> None:
-            self.url = b""
-            self.expect_100_continue = False
-            self.headers = []
-            self.scope = {  # type: ignore[typeddict-item]
-                "type": "http",
-                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-                "http_version": "1.1",
-                "server": self.server,
-                "client": self.client,
-                "scheme": self.scheme,  # type: ignore[typeddict-item]
-                "root_path": self.root_path,
-                "headers": self.headers,
-                "state": self.app_state.copy(),
-            }
-            self._in_headers = True
-            self._raw_header_bytes = 0
-            self._began = True
-            self._ns_deadline = False
-
-        # on_url is uvicorn's own: the head is only counted exactly (below) when a read could
-        # hold more than max_header_bytes of it; smaller reads cannot exceed the limit and a head
-        # spread over reads is bounded by the raw count in data_received
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            """uvicorn's, noting an ``x-request-timeout`` (the admission hook reads the headers
-            for a deadline only when one came)."""
-            name = name.lower()
-            if name == b"expect":
-                if value.lower() == b"100-continue":
-                    self.expect_100_continue = True
-            elif name == DEADLINE_HEADER:
-                self._ns_deadline = True
-            self.headers.append((name, value))
-
-        def _head_bytes(self) -> int:
-            """The current head's bytes parsed so far (request target and complete header
-            lines; a header line still incomplete is counted with the next read, whole)."""
-            n = len(self.url)
-            for name, value in self.headers:
-                n += len(name) + len(value) + 4
-            return n
-
-        def _check_head_size(self) -> None:
-            if self._head_bytes() > self._max_header_bytes:
-                self._too_large = True
-                raise _HeaderTooLarge  # httptools turns it into HttpParserCallbackError
-
-        def on_headers_complete(self) -> None:
-            if self._exact_head:
-                self._check_head_size()
-            parser = self.parser
-            upgrade = parser.should_upgrade()
-            prev = self.cycle
-            if rt is not None and not upgrade and (prev is None or prev.response_complete):
-                # websockets are not gated here, nor a request pipelined behind a running one:
-                # it is decided by the edge when it starts (a permit counts a runnable request;
-                # a refusal then is answered in order, and the connection stays usable)
-                self._admit()
-            self._in_headers = False
-            if self._header_timer is not None:
-                self._cancel_header_timer()
-            http_version = parser.get_http_version()
-            scope = self.scope
-            scope["method"] = parser.get_method().decode("ascii")
-            if http_version != "1.1":
-                scope["http_version"] = http_version
-            if upgrade and self._should_upgrade():
-                return
-            parsed_url = httptools.parse_url(self.url)
-            raw_path = parsed_url.path
-            path = raw_path.decode("ascii")
-            if "%" in path:
-                path = urllib.parse.unquote(path)
-            root_path = self.root_path
-            scope["path"] = root_path + path if root_path else path
-            scope["raw_path"] = root_path.encode("ascii") + raw_path if root_path else raw_path
-            scope["query_string"] = parsed_url.query or b""
-            limit = self.limit_concurrency
-            if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
-                app: Any = connection_limit_503
-                self.logger.warning("Exceeded concurrency limit.")
-                permit = scope.pop(PERMIT_KEY, None)
-                if permit is not None:   # admitted, but answered without the app: give it back
-                    self._grant = None
-                    gate.release(clock(), permit, "ignored")
-            else:
-                app = self.app
-            existing = self.cycle
-            self.cycle = LeanCycle(self, scope, http_version != "1.0" and parser.should_keep_alive(),
-                                   self.expect_100_continue)
-            self.cycle.grant, self._grant = self._grant, None   # the request owns its permit now
-            if existing is None or existing.response_complete:
-                self._start_asgi_task(self.cycle, app)
-            else:  # pipelined: queued behind the running one
-                self.flow.pause_reading()
-                self.pipeline.appendleft((self.cycle, app))
-
-        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-            """uvicorn 0.54's, without its per-call lookups: a task per request, in a fresh
-            ``contextvars.Context`` with ``reset_contextvars`` (uvicorn's opt-in), registered in
-            ``server_state.tasks`` until done."""
-            if app is service_unavailable:
-                app = connection_limit_503
-            self._current = cycle
-            if self._reset_context:
-                task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
-            else:
-                task = self.loop.create_task(cycle.run_asgi(app))
+    def _release_unstarted(self) -> None:
+        """The connection is gone: the permits of requests that never started (queued behind
+        the running one, or a head admitted without a request yet) are given back."""
+        now = self._clock()
+        grant, self._grant = self._grant, None
+        if grant is not None:
+            self._gate.release(now, grant, "dropped")
+        while self.pipeline:
+            cycle, _app = self.pipeline.pop()
             grant = cycle.grant
-            if grant is None:
-                task.add_done_callback(self._task_done)
-            else:   # the task owns the permit now: released when it is done, however it ends
-                grant.task = task
-                self._owned[task] = grant
-                task.add_done_callback(self._owned_task_done)
-            self.tasks.add(task)
-
-        def _owned_task_done(self, task: asyncio.Task[None]) -> None:
-            """A request task ended: its permit is given back if the request did not (a task
-            cancelled before it ran never reaches its ``finally``)."""
-            self.tasks.discard(task)
-            grant = self._owned.pop(task, None)
-            if grant is not None and not grant.released:
-                gate.release(clock(), grant, "dropped")
-
-        def _release_unstarted(self) -> None:
-            """The connection is gone: the permits of requests that never started (queued behind
-            the running one, or a head admitted without a request yet) are given back."""
-            now = clock()
-            grant, self._grant = self._grant, None
             if grant is not None:
-                gate.release(now, grant, "dropped")
-            while self.pipeline:
-                cycle, _app = self.pipeline.pop()
-                grant = cycle.grant
-                if grant is not None:
-                    cycle.grant = None
-                    if not grant.released:
-                        gate.client_gone(now, grant)
+                cycle.grant = None
+                if not grant.released:
+                    self._gate.client_gone(now, grant)
 
-        def on_body(self, body: bytes) -> None:
-            if self.parser.should_upgrade() and self._should_upgrade():
-                return
-            cycle = self.cycle
-            if cycle.response_complete:
-                return
-            cycle.body += body
-            if len(cycle.body) > HIGH_WATER_LIMIT:
-                self.flow.pause_reading()
-            cycle.notify()
+    def on_body(self, body: bytes) -> None:
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return
+        cycle = self.cycle
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.notify()
 
-        def on_message_complete(self) -> None:
-            if self.parser.should_upgrade() and self._should_upgrade():
-                return
-            cycle = self.cycle
-            if cycle.response_complete:   # the body of an answered request is in: idle now
-                if self._header_timer is not None:
-                    self._cancel_header_timer()
-                    self._idle_since = self.loop.time()
-                    if self._ka_timer is None:
-                        self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
-                return
-            cycle.more_body = False
-            cycle.notify()
-
-        def on_response_complete(self) -> None:
-            self.server_state.total_requests += 1
-            if self.transport.is_closing():
-                return
-            flow = self.flow
-            if flow.read_paused:
-                flow.resume_reading()
-            if self.pipeline:
-                cycle, app = self.pipeline.pop()
-                self._start_asgi_task(cycle, app)
-                return
-            if self._final is not None:   # the requests ahead of an error are answered: now it
-                final, self._final = self._final, None
-                self._answer_and_linger(final)
-                return
-            self._idle_since = self.loop.time()
-            if self._ka_timer is None:
-                self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
-
-        def _keepalive_check(self) -> None:
-            """Close a connection idle for ``timeout_keep_alive``; re-armed for the rest otherwise."""
-            self._ka_timer = None
-            since = self._idle_since
-            if since is None or self.transport.is_closing():
-                return  # a request is in progress: its completion re-arms
-            left = since + self.timeout_keep_alive - self.loop.time()
-            if left <= 0:
-                self.transport.close()
-            else:
-                self._ka_timer = self.loop.call_later(left, self._keepalive_check)
-
-        # --- admission ------------------------------------------------------------------------
-
-        def _admit(self) -> None:
-            now = clock()  # type: ignore[misc]   # the request's one clock read before it starts
-            arrived = now
-            if rt.loop_late(now):
-                got = tcp_wait_and_state(self.transport.get_extra_info("socket"))
-                if got is not None:
-                    if got[1] != TCP_ESTABLISHED:   # the client already gave up: do not run it
-                        gate.client_gone(now)
-                        self._ns_drop = True
-                        raise _Stop
-                    arrived = now - got[0]
-            if self._ns_deadline:
-                deadline = request_deadline(self.headers, arrived, default_timeout)
-            else:
-                deadline = arrived + default_timeout if default_timeout > 0 else None
-            d = gate.admit(now, deadline, rt.runnable)
-            if type(d) is not CpuPermit:
-                self._ns_reject = d
-                raise _Stop
-            d.enqueued_at = arrived
-            d.conn = self
-            self._grant = d
-            self.scope[PERMIT_KEY] = d  # type: ignore[literal-required]
-            rt.admitted()
-
-        def _refused(self) -> None:
-            rej, self._ns_reject = self._ns_reject, None
-            self._ns_drop = True
-            self._cancel_header_timer()
-            if rej is not None:
-                rt.edge_rejected[rej.status] = rt.edge_rejected.get(rej.status, 0) + 1
-                self._answer_and_linger(reject_response(rej))
-            else:
-                self.transport.close()
-
-        # --- limits ---------------------------------------------------------------------------
-
-        def _too_large_message(self) -> str:
-            return f"request header fields too large: over server.max_header_bytes ({self._max_header_bytes} bytes)"
-
-        def _arm_header_timer(self) -> None:
-            if self._header_timeout and self._header_timeout > 0:
-                self._cancel_header_timer()
-                self._header_timer = self.loop.call_later(self._header_timeout, self._on_header_timeout)
-
-        def _cancel_header_timer(self) -> None:
+    def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return
+        cycle = self.cycle
+        if cycle.response_complete:   # the body of an answered request is in: idle now
             if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+                self._cancel_header_timer()
+                self._idle_since = self.loop.time()
+                if self._ka_timer is None:
+                    self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
+            return
+        cycle.more_body = False
+        cycle.notify()
 
-        def _busy(self) -> bool:
-            return self.cycle is not None and not self.cycle.response_complete
+    def on_response_complete(self) -> None:
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        if self._final is not None:   # the requests ahead of an error are answered: now it
+            final, self._final = self._final, None
+            self._answer_and_linger(final)
+            return
+        self._idle_since = self.loop.time()
+        if self._ka_timer is None:
+            self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
 
-        def _on_header_timeout(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing():
-                return
-            if self._busy():  # a pipelined request is still being answered: wait for it
-                self._arm_header_timer()
-                return
-            if self._in_headers and self._raw_header_bytes > 0:
-                self._reject(408, "request header not received within server.read_timeout "
-                                  f"({self._header_timeout:g} s)")
-            elif self.cycle is None:
-                self.transport.close()  # connected, never sent a byte
-            elif not self._in_headers:
-                self.transport.close()  # the rest of an answered request's body never came
+    def _keepalive_check(self) -> None:
+        """Close a connection idle for ``timeout_keep_alive``; re-armed for the rest otherwise."""
+        self._ka_timer = None
+        since = self._idle_since
+        if since is None or self.transport.is_closing():
+            return  # a request is in progress: its completion re-arms
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left <= 0:
+            self.transport.close()
+        else:
+            self._ka_timer = self.loop.call_later(left, self._keepalive_check)
 
-        def _reject(self, status: int, msg: str, log: bool = True) -> None:
-            """Answer a request the parser refused (400, 408, 431) and close, in order: a request
-            whose body broke is not run (or, running, sees a disconnect), the requests pipelined
-            ahead of it are answered first, and the close lingers so the client can read it."""
+    # --- admission ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        rt = self._rt
+        gate = self._gate
+        now = self._clock()  # type: ignore[misc]   # the request's one clock read before it starts
+        arrived = now
+        if rt.loop_late(now):
+            got = tcp_wait_and_state(self.transport.get_extra_info("socket"))
+            if got is not None:
+                if got[1] != TCP_ESTABLISHED:   # the client already gave up: do not run it
+                    gate.client_gone(now)
+                    self._ns_drop = True
+                    raise _Stop
+                arrived = now - got[0]
+        default_timeout = self._default_timeout
+        if self._ns_deadline:
+            deadline = request_deadline(self.headers, arrived, default_timeout)
+        else:
+            deadline = arrived + default_timeout if default_timeout > 0 else None
+        d = gate.admit(now, deadline, rt.runnable)
+        if type(d) is not CpuPermit:
+            self._ns_reject = d
+            raise _Stop
+        d.enqueued_at = arrived
+        d.conn = self
+        self._grant = d
+        self.scope[PERMIT_KEY] = d  # type: ignore[literal-required]
+        rt.admitted()
+
+    def _refused(self) -> None:
+        rej, self._ns_reject = self._ns_reject, None
+        self._ns_drop = True
+        self._cancel_header_timer()
+        if rej is not None:
+            counts = self._rt.edge_rejected
+            counts[rej.status] = counts.get(rej.status, 0) + 1
+            self._answer_and_linger(reject_response(rej))
+        else:
+            self.transport.close()
+
+    # --- limits ---------------------------------------------------------------------------
+
+    def _too_large_message(self) -> str:
+        return f"request header fields too large: over server.max_header_bytes ({self._max_header_bytes} bytes)"
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timeout and self._header_timeout > 0:
             self._cancel_header_timer()
-            self._ns_drop = True     # nothing after the error is parsed
-            if log:
-                self.logger.warning("%s: %d", msg, status)
-            body = error_body(status, msg)
-            content = [STATUS_LINE[status]]
-            for name, value in [*self.server_state.default_headers, *error_headers(status, body),
-                                (b"connection", b"close")]:
-                content.extend([name, b": ", value, b"\r\n"])
-            content.extend([b"\r\n", body])
-            answer = b"".join(content)
-            cycle = self.cycle
-            if cycle is not None and not self._in_headers and not cycle.response_complete:
-                # the error is in this request's body
-                if cycle is not self._current:    # queued behind others: it never runs
-                    self.pipeline = type(self.pipeline)(e for e in self.pipeline if e[0] is not cycle)
-                    grant, cycle.grant = cycle.grant, None
-                    if grant is not None and not grant.released:
-                        gate.release(clock(), grant, "bad_request")
-                elif cycle.response_started:      # cannot interleave a status into a response
-                    self.transport.close()
-                    return
-                else:                             # running, nothing sent: it sees a disconnect
-                    cycle.disconnected = True
-                    cycle.notify()
-                    self._answer_and_linger(answer)
-                    return
-            current = self._current
-            if self.pipeline or (current is not None and not current.response_complete
-                                 and not current.disconnected):
-                self._final = answer              # after the requests ahead of it
-                return
-            self._answer_and_linger(answer)
+            self._header_timer = self.loop.call_later(self._header_timeout, self._on_header_timeout)
 
-        def _answer_and_linger(self, answer: bytes) -> None:
-            """Write ``answer``, end our side (FIN), read and drop what the client still sends
-            for up to ``LINGER_S`` / ``LINGER_BYTES``, then close: closing with unread bytes
-            would send a reset, which can destroy the answer before the client reads it."""
-            self._ns_drop = True
-            transport = self.transport
-            if transport.is_closing():
-                return
-            transport.write(answer)
-            if not transport.can_write_eof():   # TLS: no half-close, close after the write
-                transport.close()
-                return
-            transport.write_eof()
-            if self.flow.read_paused:
-                self.flow.resume_reading()
-            self._linger_left = LINGER_BYTES
-            self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
 
-    return GuardedHttpToolsProtocol
+    def _busy(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._busy():  # a pipelined request is still being answered: wait for it
+            self._arm_header_timer()
+            return
+        if self._in_headers and self._raw_header_bytes > 0:
+            self._reject(408, "request header not received within server.read_timeout "
+                              f"({self._header_timeout:g} s)")
+        elif self.cycle is None:
+            self.transport.close()  # connected, never sent a byte
+        elif not self._in_headers:
+            self.transport.close()  # the rest of an answered request's body never came
+
+    def _reject(self, status: int, msg: str, log: bool = True) -> None:
+        """Answer a request the parser refused (400, 408, 431) and close, in order: a request
+        whose body broke is not run (or, running, sees a disconnect), the requests pipelined
+        ahead of it are answered first, and the close lingers so the client can read it."""
+        self._cancel_header_timer()
+        self._ns_drop = True     # nothing after the error is parsed
+        if log:
+            self.logger.warning("%s: %d", msg, status)
+        body = error_body(status, msg)
+        content = [STATUS_LINE[status]]
+        for name, value in [*self.server_state.default_headers, *error_headers(status, body),
+                            (b"connection", b"close")]:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend([b"\r\n", body])
+        answer = b"".join(content)
+        cycle = self.cycle
+        if cycle is not None and not self._in_headers and not cycle.response_complete:
+            # the error is in this request's body
+            if cycle is not self._current:    # queued behind others: it never runs
+                self.pipeline = type(self.pipeline)(e for e in self.pipeline if e[0] is not cycle)
+                grant, cycle.grant = cycle.grant, None
+                if grant is not None and not grant.released:
+                    self._gate.release(self._clock(), grant, "bad_request")
+            elif cycle.response_started:      # cannot interleave a status into a response
+                self.transport.close()
+                return
+            else:                             # running, nothing sent: it sees a disconnect
+                cycle.disconnected = True
+                cycle.notify()
+                self._answer_and_linger(answer)
+                return
+        current = self._current
+        if self.pipeline or (current is not None and not current.response_complete
+                             and not current.disconnected):
+            self._final = answer              # after the requests ahead of it
+            return
+        self._answer_and_linger(answer)
+
+    def _answer_and_linger(self, answer: bytes) -> None:
+        """Write ``answer``, end our side (FIN), read and drop what the client still sends
+        for up to ``LINGER_S`` / ``LINGER_BYTES``, then close: closing with unread bytes
+        would send a reset, which can destroy the answer before the client reads it."""
+        self._ns_drop = True
+        transport = self.transport
+        if transport.is_closing():
+            return
+        transport.write(answer)
+        if not transport.can_write_eof():   # TLS: no half-close, close after the write
+            transport.close()
+            return
+        transport.write_eof()
+        if self.flow.read_paused:
+            self.flow.resume_reading()
+        self._linger_left = LINGER_BYTES
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)

@@ -27,7 +27,7 @@ from typing import Any
 import uvicorn
 
 from numaserve.quietserver import QuietServerMixin
-from numaserve.worker.httpproto import connection_limit_503, guarded_httptools_protocol
+from numaserve.worker.httpproto import GuardedHttpToolsProtocol, ProtocolSettings, connection_limit_503
 from numaserve.worker.spec import WorkerSpec
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "build_config",
     "close_websocket",
     "connection_limit_503",
-    "guarded_httptools_protocol",
     "is_websocket",
     "loop_factory",
     "open_listener",
@@ -87,7 +86,8 @@ def _http_protocol(spec: WorkerSpec, admission: Any = None) -> Any:
             if spec.http == "httptools":
                 raise
             return "h11"
-        return guarded_httptools_protocol(spec.max_header_bytes, spec.read_timeout, admission)
+        return GuardedHttpToolsProtocol.configured(
+            ProtocolSettings(spec.max_header_bytes, spec.read_timeout, admission))
     return spec.http  # "h11": h11's own max_incomplete_event_size applies
 
 
@@ -132,9 +132,10 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
     """
     http = _http_protocol(spec, admission)
     if spec.framing.enabled:  # frames and HTTP on the same port (numaserve.worker.sniff)
-        from numaserve.worker.sniff import sniffing_protocol
+        from numaserve.worker.sniff import SniffingProtocol, SniffSettings, resolve_http_protocol
 
-        http = sniffing_protocol(http, spec.framing, read_timeout=spec.read_timeout)
+        http = SniffingProtocol.configured(
+            SniffSettings(resolve_http_protocol(http), spec.framing, spec.read_timeout))
     if stats is not None:
         http = with_locality(http, stats, spec.node_cpus)
     tls: dict[str, Any] = {}

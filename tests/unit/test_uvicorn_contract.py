@@ -26,8 +26,7 @@ from numaserve.worker import httpproto
 
 
 def _pairs() -> list[tuple[type, type]]:
-    proto = httpproto.guarded_httptools_protocol(65536, 5.0)
-    return [(proto, HttpToolsProtocol), (httpproto.LeanCycle, RequestResponseCycle)]
+    return [(httpproto.GuardedHttpToolsProtocol, HttpToolsProtocol), (httpproto.LeanCycle, RequestResponseCycle)]
 
 
 def _own_methods(cls: type) -> dict[str, Any]:
@@ -126,3 +125,56 @@ def test_the_cycle_sets_every_attribute_uvicorns_own_cycle_methods_read() -> Non
     assert kept, "uvicorn's RequestResponseCycle has no methods numaserve keeps"
     assert not unset, (f"uvicorn's RequestResponseCycle methods {kept} read {unset}, which numaserve's "
                        f"LeanCycle.__init__ does not set; re-check numaserve/worker/httpproto.py against this uvicorn")
+
+
+# --- the sniffing protocol (numaserve/worker/sniff.py) ------------------------------------------
+# SniffingProtocol is not a uvicorn subclass, but it stands where uvicorn expects its HTTP protocol:
+# uvicorn makes it per connection and calls ``shutdown()`` on it when draining; it makes uvicorn's
+# HTTP protocol itself (same keywords) and reads uvicorn's config and server state.
+
+SNIFF_MAKES_HTTP_WITH = ["POSITIONAL_OR_KEYWORD:self", "POSITIONAL_OR_KEYWORD:config",
+                         "POSITIONAL_OR_KEYWORD:server_state", "POSITIONAL_OR_KEYWORD:app_state",
+                         "POSITIONAL_OR_KEYWORD:_loop"]
+
+
+@pytest.mark.parametrize("impl", ["httptools", "h11"])
+def test_uvicorns_http_protocols_are_made_as_the_sniffing_protocol_makes_them(impl: str) -> None:
+    from numaserve.worker.sniff import SniffingProtocol, resolve_http_protocol
+
+    cls = resolve_http_protocol(impl)
+    assert _params(cls.__init__) == SNIFF_MAKES_HTTP_WITH, (
+        f"uvicorn's {cls.__name__}.__init__ takes {_params(cls.__init__)}; numaserve's SniffingProtocol makes "
+        f"it (and is made by uvicorn) with {SNIFF_MAKES_HTTP_WITH}: re-check numaserve/worker/sniff.py")
+    assert _params(SniffingProtocol.__init__) == SNIFF_MAKES_HTTP_WITH, "update SNIFF_MAKES_HTTP_WITH"
+    for hook in ("shutdown", "connection_made", "connection_lost", "eof_received", "pause_writing",
+                 "resume_writing"):
+        assert _params(getattr(cls, hook)) == _params(getattr(SniffingProtocol, hook)), (
+            f"uvicorn's {cls.__name__}.{hook} changed its parameters to {_params(getattr(cls, hook))}: "
+            f"numaserve's SniffingProtocol.{hook} stands in for it; re-check numaserve/worker/sniff.py")
+
+
+def test_the_uvicorn_config_and_server_state_the_sniffing_protocol_reads_are_still_there() -> None:
+    import uvicorn.server
+
+    from numaserve.worker.sniff import SniffingProtocol
+
+    config = Config(app=lambda scope, receive, send: None, http="httptools", log_config=None)
+    config.load()
+    reads: dict[str, set[str]] = {"config": set(), "server_state": set()}
+    for fn in _own_methods(SniffingProtocol).values():
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+                    and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"
+                    and n.value.attr in reads):
+                reads[n.value.attr].add(n.attr)
+    assert reads["config"] and reads["server_state"], "the AST walk found no reads: update this test"
+    state = ServerState()
+    gone = sorted(f"config.{a}" for a in reads["config"] if not hasattr(config, a))
+    gone += sorted(f"server_state.{a}" for a in reads["server_state"] if not hasattr(state, a))
+    assert not gone, (f"numaserve's SniffingProtocol reads {gone}, which this uvicorn no longer has; "
+                      f"re-check numaserve/worker/sniff.py")
+    # uvicorn's Server drains through ``connection.shutdown()`` on every registered connection
+    assert "connection.shutdown()" in inspect.getsource(uvicorn.server.Server.shutdown), (
+        "uvicorn's Server.shutdown no longer calls connection.shutdown(): SniffingProtocol.shutdown and "
+        "the worker's drain (numaserve/worker/serve.py) rely on it")

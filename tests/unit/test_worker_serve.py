@@ -93,8 +93,8 @@ def test_build_config_maps_the_spec() -> None:
     assert build_config(make_spec(root_path="/api"), demo_app).root_path == "/api"
     http = cfg.http
     assert http.__name__ == "SniffingGuardedHttpToolsProtocol"  # type: ignore[union-attr]
-    assert http.http_protocol.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
-    assert build_config(make_spec(http="h11"), demo_app).http.http_protocol.__name__ == "H11Protocol"  # type: ignore[union-attr]
+    assert http.settings.http_protocol.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert build_config(make_spec(http="h11"), demo_app).http.settings.http_protocol.__name__ == "H11Protocol"  # type: ignore[union-attr]
     assert build_config(make_spec(framing=FramingConfig(enabled=False)), demo_app).http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
     assert build_config(make_spec(http="h11", framing=FramingConfig(enabled=False)), demo_app).http == "h11"
     assert build_config(make_spec(max_connections=0), demo_app).limit_concurrency is None
