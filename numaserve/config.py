@@ -24,11 +24,15 @@ from typing import Any, Literal, Mapping
 
 import msgspec
 
+from numaserve.cmdready import parse_ready
+from numaserve.cpulist import parse_node_spec
 from numaserve.errors import ConfigError
 from numaserve.retiredkeys import retired
 from numaserve.loops.admission import AdmissionSettings
 from numaserve.loops.leak import LeakSettings
 from numaserve.loops.supervisor_limits import LimitsSettings
+from numaserve.unixaddr import is_unix_bind, parse_mode, resolve_group, unix_path
+from numaserve.workerenv import check_env_config
 
 DEFAULT_CONFIG_PATH = "/etc/numaserve/numaserve.toml"
 ENV_PREFIX = "NUMASERVE_"
@@ -433,14 +437,10 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         raise bad("supervisor", "unresponsive_after", sup.unresponsive_after,
                   f"0 (auto: 2 heartbeat intervals) or more than supervisor.heartbeat_interval "
                   f"({sup.heartbeat_interval}) and at most supervisor.heartbeat_timeout ({sup.heartbeat_timeout})")
-    from numaserve.supervisor.cmdready import parse_ready
-
     try:
         parse_ready(cfg.cmd.ready)
     except ValueError as e:
         raise bad("cmd", "ready", cfg.cmd.ready, str(e)) from None
-    from numaserve.bind.workerenv import check_env_config  # local: avoids an import cycle
-
     for key, value, why in check_env_config(cfg.env):
         raise bad("env", key, value, why)
     ops = cfg.ops
@@ -455,8 +455,6 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
         if not ops.curve_secret_key or not ops.curve_authorized_keys:
             raise bad("ops", "tcp_endpoint", ops.tcp_endpoint,
                       "ops.curve_secret_key and ops.curve_authorized_keys set too (remote control is CURVE-only)")
-    from numaserve.bind.nodespec import parse_node_spec  # local: avoids an import cycle
-
     try:
         parse_node_spec(cfg.placement.nodes)
     except ValueError as e:
@@ -476,8 +474,6 @@ def _check_serving_habits(cfg: Config, bad: typing.Callable[[str, str, Any, str]
     rp = cfg.server.root_path
     if rp and (not rp.startswith("/") or rp.endswith("/") or not rp.isascii() or any(c in rp for c in " ?#")):
         raise bad("server", "root_path", rp, '"" or a path like "/api" (leading /, no trailing /, no query)')
-    from numaserve.net.unixbind import is_unix_bind, parse_mode, resolve_group, unix_path
-
     for b in cfg.server.bind:
         if is_unix_bind(b):
             try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["parse_list", "format_list", "parse_mask", "format_mask", "ListSyntaxError"]
+__all__ = ["parse_list", "format_list", "parse_mask", "format_mask", "parse_node_spec", "ListSyntaxError"]
 
 
 class ListSyntaxError(ValueError):
@@ -98,3 +98,17 @@ def format_mask(items: Iterable[int]) -> str:
             break
     groups.reverse()
     return ",".join([f"{groups[0]:x}"] + [f"{g:08x}" for g in groups[1:]])
+
+
+def parse_node_spec(spec: str) -> tuple[int, ...] | None:
+    """A node selection (``placement.nodes``): None for "all", else the sorted node ids; ValueError
+    on bad syntax.  Here, beside the list parser, so the config schema can check it without bind/."""
+    s = spec.strip().lower()
+    if s in ("all", "*"):
+        return None
+    if not s:
+        raise ValueError("empty node spec")
+    try:
+        return parse_list(s)
+    except ListSyntaxError as e:
+        raise ValueError(str(e)) from None

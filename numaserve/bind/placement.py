@@ -35,9 +35,9 @@ from typing import Any, Iterable, Literal, Sequence
 from numaserve.config import PlacementConfig
 from numaserve.cpulist import format_list
 from numaserve.errors import UsageError
-from numaserve.bind.nodespec import parse_node_spec
+from numaserve.cpulist import parse_node_spec
 from numaserve.bind.shapes import check_shape, l3_slots
-from numaserve.bind.workerenv import GPU_VENDORS
+from numaserve.workerenv import GPU_VENDORS
 from numaserve.topology.gpus import is_compute_gpu
 from numaserve.topology.model import Node, Topology
 

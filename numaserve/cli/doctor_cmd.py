@@ -14,7 +14,7 @@ import click
 from numaserve.cli.common import config_from_flags, config_option, echo_json, output_option, want_json
 from numaserve.tools.doctor import Check, run_checks
 from numaserve.errors import NumaserveError, UsageError
-from numaserve.bind.nodespec import parse_node_spec
+from numaserve.cpulist import parse_node_spec
 from numaserve.topology.model import Topology
 
 

@@ -21,7 +21,8 @@ from typing import Iterable
 
 from numaserve.config import parse_bind
 from numaserve.errors import NumaserveError, UsageError
-from numaserve.net.unixbind import is_unix_bind, make_unix_listener, remove_unix_socket, unix_path
+from numaserve.net.unixbind import make_unix_listener, remove_unix_socket
+from numaserve.unixaddr import is_unix_bind, unix_path
 
 SO_REUSEPORT = getattr(socket, "SO_REUSEPORT", 15)
 

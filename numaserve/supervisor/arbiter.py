@@ -35,7 +35,7 @@ import structlog
 from numaserve.bind.placement import Plan
 from numaserve.config import Config
 from numaserve.net.listeners import accept_queue_depth, open_listeners
-from numaserve.net.unixbind import parse_mode, resolve_group
+from numaserve.unixaddr import parse_mode, resolve_group
 from numaserve.runtime import AUDIT_LOG, RuntimeDir
 from numaserve.supervisor import fdbudget, irqstart
 from numaserve.supervisor import slots as S

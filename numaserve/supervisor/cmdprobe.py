@@ -13,7 +13,7 @@ import structlog
 
 from numaserve.net.listeners import ListenerSet
 from numaserve.supervisor import slots as S
-from numaserve.supervisor.cmdready import parse_ready
+from numaserve.cmdready import parse_ready
 from numaserve.supervisor.probe import probe_slot, process_tree
 from numaserve.supervisor.slottable import SlotTable
 from numaserve.supervisor.steer import Steering

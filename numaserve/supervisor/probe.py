@@ -24,7 +24,7 @@ from typing import Callable
 
 from numaserve.net.listeners import Listener
 from numaserve.net.sockdiag import find_connection, socket_inodes_of
-from numaserve.supervisor.cmdready import ReadySpec
+from numaserve.cmdready import ReadySpec
 from numaserve.supervisor.rescue import connect_address
 from numaserve.supervisor.steer import Steering
 

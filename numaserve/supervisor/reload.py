@@ -18,7 +18,7 @@ from numaserve.config import Config, load_config
 from numaserve.control import messages as m
 from numaserve.errors import NumaserveError
 from numaserve.bind.placement import Plan
-from numaserve.supervisor.cmdready import host_port_placeholders
+from numaserve.cmdready import host_port_placeholders
 from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.operations import Operation, OperationFailed, Operations
 from numaserve.supervisor.opsapi import OpsTarget, arg_timeout

@@ -58,7 +58,7 @@ class Router:
 
     def open(self, listeners: ListenerSet, topology: Topology | None) -> None:
         """The listeners are bound; steer over them unless ``server.cmd`` binds its own sockets."""
-        from numaserve.supervisor.cmdready import host_port_placeholders
+        from numaserve.cmdready import host_port_placeholders
 
         self.listeners = listeners
         cfg = self.table.cfg

@@ -14,28 +14,20 @@ GC's ordinary business.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import time
 from typing import Any, Callable
 
 import structlog
 
-__all__ = ["SETTLED_STATES", "malloc_trim", "trim_once_settled"]
+from numaserve.memtrim import malloc_trim
+
+__all__ = ["SETTLED_STATES", "trim_once_settled"]
 
 log = structlog.get_logger("numaserve.supervisor")
 
 SETTLED_STATES = ("running", "degraded")
 
-
-def malloc_trim() -> bool | None:
-    """glibc's ``malloc_trim(0)``: True when memory went back to the kernel, None without glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return None
 
 
 def _private_kb(path: str = "/proc/self/smaps_rollup") -> int | None:

@@ -24,11 +24,11 @@ from numaserve.net.listeners import Listener
 from numaserve.progress import PROGRESS_ENV
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.fdbudget import restore_child_nofile
-from numaserve.supervisor.workerauth import TOKEN_FD_ENV, token_pipe
+from numaserve.control.workerauth import TOKEN_FD_ENV, token_pipe
 from numaserve.supervisor.workerproc import WorkerProcess
 from numaserve.worker.spec import SPEC_ENV, WorkerSpec
 from numaserve.worker.tls import check_tls
-from numaserve.bind.workerenv import slot_env
+from numaserve.workerenv import slot_env
 
 CMD_PLACEHOLDERS = ("fd", "fds", "host", "port", "node", "slot", "cpus", "generation")
 
@@ -115,7 +115,7 @@ def check_cmd_template(template: str, *, allow_host_port: bool = False) -> None:
     across its restarts.
     """
     from numaserve.net.listeners import Listener as _L
-    from numaserve.supervisor.cmdready import host_port_placeholders
+    from numaserve.cmdready import host_port_placeholders
     import socket
 
     fake = _L(0, "127.0.0.1", 0, socket.AF_INET, socket.socket())
@@ -185,7 +185,7 @@ def spawn(
     """Start the slot's worker; returns (process, external?, variables numaserve set).
 
     ``token``: the per-spawn secret the worker proves itself with in Hello
-    (``numaserve.supervisor.workerauth``), handed over in an inherited pipe
+    (``numaserve.control.workerauth``), handed over in an inherited pipe
     whose fd number is in ``NUMASERVE_TOKEN_FD`` (to a forked worker: in the
     fork request).  ``forker``: the node templates' fork hook
     (``numaserve.supervisor.templates``); when it returns None the worker is

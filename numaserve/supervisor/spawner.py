@@ -13,7 +13,7 @@ from numaserve.config import Config
 from numaserve.net.listeners import ListenerSet
 from numaserve.runtime import CONTROL_SOCKET, PROGRESS_DIR, RuntimeDir
 from numaserve.supervisor import slots as S
-from numaserve.supervisor import workerauth
+from numaserve.control import workerauth
 from numaserve.supervisor.channel import WorkerChannel
 from numaserve.supervisor.spawn import spawn
 from numaserve.supervisor.templates import TemplateManager

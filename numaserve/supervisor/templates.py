@@ -40,7 +40,7 @@ import structlog
 
 from numaserve.bind.launch import build_launch_argv
 from numaserve.bind.placement import SlotPlan
-from numaserve.bind.workerenv import GPU_VENDORS, THREAD_POOL_VARS
+from numaserve.workerenv import GPU_VENDORS, THREAD_POOL_VARS
 from numaserve.config import Config
 from numaserve.net.listeners import Listener
 from numaserve.progress import PROGRESS_ENV, read_progress
@@ -53,7 +53,7 @@ from numaserve.supervisor.notify import Notifier
 from numaserve.supervisor.operations import Operation
 from numaserve.supervisor.slots import SlotState
 from numaserve.topology.model import Gpu
-from numaserve.supervisor.workerauth import TOKEN_FD_ENV
+from numaserve.control.workerauth import TOKEN_FD_ENV
 from numaserve.supervisor.workerproc import (
     ForkedProcess,
     reap_strays,

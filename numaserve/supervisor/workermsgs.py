@@ -18,7 +18,7 @@ from numaserve.control import messages as m
 from numaserve.control.checks import heartbeat_problem, stats_problem
 from numaserve.control.peercred import PeerCred
 from numaserve.supervisor import slots as S
-from numaserve.supervisor import workerauth
+from numaserve.control import workerauth
 from numaserve.supervisor.channel import WorkerChannel
 from numaserve.supervisor.slottable import SlotTable
 

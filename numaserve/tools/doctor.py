@@ -432,7 +432,7 @@ def check_nofile(readers: Readers, config: Config | None = None) -> Check:
 def _requested(topo: Topology, config: Config, requested_nodes: Iterable[int] | None) -> list[int]:
     if requested_nodes is not None:
         return sorted(set(requested_nodes))
-    from numaserve.bind.nodespec import parse_node_spec
+    from numaserve.cpulist import parse_node_spec
 
     try:
         spec = parse_node_spec(config.placement.nodes)

@@ -89,7 +89,7 @@ def worker_identity(slot: int, generation: int, pid: int) -> bytes:
     """ROUTER identity of a worker: ``b"slot:generation:pid"``.
 
     Only a name: the supervisor trusts a worker for its spawn token and its
-    kernel-reported pid (``numaserve.supervisor.workerauth``), not for this.
+    kernel-reported pid (``numaserve.control.workerauth``), not for this.
     """
     return f"{slot}:{generation}:{pid}".encode()
 

@@ -28,7 +28,7 @@ import structlog.tracebacks
 from numaserve.control.messages import Goodbye, Heartbeat, Hello, Placement, Ready, Stats, encode
 from numaserve.worker.appload import AppLoadError, describe_exception, failure_line, load_app
 from numaserve.worker.cache import ResponseCache
-from numaserve.supervisor.workerauth import take_token
+from numaserve.control.workerauth import take_token
 from numaserve.worker.control import CommandDispatcher, ControlChannel, beat_phase, next_beat_due, worker_identity
 from numaserve.worker.fdwatch import FdWatch
 from numaserve.worker.edge import LifespanRecord, build_stack
@@ -98,7 +98,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, log: Any, token: str = "") -> None:
         self.spec = spec
         self.log = log
-        self.token = token  # the spawn secret Hello proves us with (numaserve.supervisor.workerauth)
+        self.token = token  # the spawn secret Hello proves us with (numaserve.control.workerauth)
         self.fdwatch = FdWatch(log)
         self.pid = os.getpid()
         self.ppid = os.getppid()

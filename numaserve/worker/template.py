@@ -179,7 +179,7 @@ def trim_heap() -> bool | None:
     """glibc's ``malloc_trim(0)`` before the first fork: the free pages the app's import left in
     glibc's heaps go back to the kernel instead of being counted in the template's PSS (and the
     workers' share of it).  None without glibc."""
-    from numaserve.supervisor.settle import malloc_trim  # the supervisor's settle step, same call
+    from numaserve.memtrim import malloc_trim  # the supervisor's settle step makes the same call
     return malloc_trim()
 
 

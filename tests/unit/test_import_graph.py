@@ -13,6 +13,20 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "numaserve"
 
+#: Layers: a module in the key's package (or the key module) imports nothing from the listed
+#: packages.  The schema sits below everything that reads it; the worker never sees the
+#: supervisor; the lower layers see neither.  What two layers share lives at the package top
+#: (``numaserve.cmdready``, ``workerenv``, ``unixaddr``, ``memtrim``, ``cpulist``) or in ``control``.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "config": ("supervisor", "worker", "bind", "net"),
+    "worker": ("supervisor",),
+    "topology": ("supervisor", "worker"),
+    "bind": ("supervisor", "worker"),
+    "net": ("supervisor", "worker"),
+    "control": ("supervisor", "worker"),
+    "loops": ("supervisor", "worker"),
+}
+
 #: Modules that act on slots through ``SlotControl`` and must never see the supervisor class.
 NARROW = ("operations", "leakwatch", "limits", "ops", "ops_cache", "agerecycle")
 
@@ -63,6 +77,18 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path) for name, path in MODULES.items()}
 
 
+def _layer(name: str) -> str:
+    """``numaserve.worker.edge`` -> ``worker``; ``numaserve.config`` -> ``config``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(g: dict[str, set[str]]) -> list[str]:
+    """Every edge of ``g`` that breaks ``LAYERS``, as ``module -> imported``."""
+    return sorted(f"{mod} -> {dep}" for mod, deps in g.items() for dep in deps
+                  if _layer(dep) in LAYERS.get(_layer(mod), ()))
+
+
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
     """One import circle as a path ``a -> b -> ... -> a``, or None (iterative DFS)."""
     WHITE, GREY, BLACK = 0, 1, 2
@@ -100,6 +126,18 @@ def test_type_checking_and_function_imports_count(tmp_path: Path) -> None:
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from numaserve.config import Config\n"
                    "def f():\n    from numaserve.errors import NumaserveError\n")
     assert imports_of("numaserve.m", src) == {"numaserve.config", "numaserve.errors"}
+
+
+def test_upward_import_finder_names_a_planted_offender() -> None:
+    g = {"numaserve.config": {"numaserve.supervisor.cmdready", "numaserve.errors"},
+         "numaserve.worker.edge": {"numaserve.control.messages"},
+         "numaserve.supervisor.spawn": {"numaserve.worker.main"}}
+    assert upward_imports(g) == ["numaserve.config -> numaserve.supervisor.cmdready"]
+
+
+def test_no_import_points_up_a_layer() -> None:
+    bad = upward_imports(graph())
+    assert not bad, "imports that point up a layer (move the shared part down): " + ", ".join(bad)
 
 
 def test_no_import_circle() -> None:

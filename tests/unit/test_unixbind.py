@@ -12,7 +12,8 @@ import pytest
 from numaserve.config import load_config
 from numaserve.errors import ConfigError, UsageError
 from numaserve.net.listeners import open_listeners, resolve_binds
-from numaserve.net.unixbind import check_unix_path, parse_mode, resolve_group, unix_path
+from numaserve.net.unixbind import check_unix_path
+from numaserve.unixaddr import parse_mode, resolve_group, unix_path
 
 
 def test_paths_modes_and_groups() -> None:

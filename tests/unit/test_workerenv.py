@@ -3,7 +3,7 @@ from types import SimpleNamespace as N
 import pytest
 
 from numaserve.config import ConfigError, EnvConfig, load_config
-from numaserve.bind.workerenv import slot_env
+from numaserve.workerenv import slot_env
 
 GPUS = [N(pci="0000:01:00.0", vendor="0x10de"), N(pci="0000:81:00.0", vendor="0x10de"),
         N(pci="0000:c1:00.0", vendor="0x10de"), N(pci="0000:02:00.0", vendor="0x1a03")]  # last: BMC VGA

@@ -15,7 +15,7 @@ import os
 import sys
 from types import ModuleType
 
-from numaserve.bind.workerenv import THREAD_POOL_VARS
+from numaserve.workerenv import THREAD_POOL_VARS
 
 __all__ = ["import_numpy"]
 

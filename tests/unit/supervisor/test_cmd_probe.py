@@ -11,7 +11,7 @@ import pytest
 from numaserve.errors import UsageError
 from numaserve.net.listeners import open_listeners
 from numaserve.net.steering import attach_reuseport_cbpf, build_selection_program
-from numaserve.supervisor.cmdready import ReadySpec, host_port_placeholders, parse_ready
+from numaserve.cmdready import ReadySpec, host_port_placeholders, parse_ready
 from numaserve.supervisor.probe import probe_slot, process_tree
 from numaserve.supervisor.rescue import Rescuer
 from numaserve.supervisor.spawn import check_cmd_template

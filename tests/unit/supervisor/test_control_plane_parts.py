@@ -18,7 +18,7 @@ from numaserve.control.peercred import PeerCred, parse_peer_address, peer_cred
 from numaserve.supervisor import fdbudget
 from numaserve.supervisor.curvekeys import AuthorizedKeys
 from numaserve.supervisor.ratelimit import PeerRateLimiter
-from numaserve.supervisor.workerauth import (
+from numaserve.control.workerauth import (
     TOKEN_FD_ENV,
     check_hello,
     check_sender,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from numaserve.supervisor.settle import malloc_trim, trim_once_settled
+from numaserve.memtrim import malloc_trim
+from numaserve.supervisor.settle import trim_once_settled
 
 
 def test_trims_once_when_the_supervisor_first_serves() -> None:
