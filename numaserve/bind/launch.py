@@ -139,7 +139,7 @@ def set_pdeathsig(sig: int) -> None:
     """
     import ctypes
 
-    libc = _numa()._libc()
+    libc = _numa().load_libc()
     if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(sig), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
         err = ctypes.get_errno()
         raise LaunchError("prctl(PR_SET_PDEATHSIG)", os.strerror(err))
@@ -206,10 +206,10 @@ def build_launch_argv(
         cpu_list = sorted({int(c) for c in cpus})
         if not cpu_list:
             raise ValueError("build_launch_argv: empty cpus (use None for no CPU binding)")
-        out += ["--cpus", _numa()._format_list(cpu_list)]
+        out += ["--cpus", _numa().format_list(cpu_list)]
     out += ["--mempolicy", mempolicy]
     if node_list and mempolicy not in ("local", "default"):
-        out += ["--nodes", _numa()._format_list(node_list)]
+        out += ["--nodes", _numa().format_list(node_list)]
     if not static:
         out.append("--no-static")
     if pdeathsig:
@@ -258,11 +258,11 @@ def parse_args(args: Sequence[str]) -> _Opts:
                 i += 1
             try:
                 if key == "--cpus":
-                    o.cpus = numa._parse_list(val)
+                    o.cpus = numa.parse_list(val)
                     if not o.cpus:
                         raise ValueError("empty CPU list")
                 elif key == "--nodes":
-                    o.nodes = numa._parse_list(val)
+                    o.nodes = numa.parse_list(val)
                 elif key == "--mempolicy":
                     if val not in _POLICIES:
                         raise ValueError(f"must be one of {', '.join(_POLICIES)}")

@@ -41,6 +41,9 @@ __all__ = [
     "get_cpu_affinity",
     "libnuma_available",
     "migrate_pages",
+    "load_libc",
+    "parse_list",
+    "format_list",
 ]
 
 # <linux/mempolicy.h>
@@ -123,14 +126,15 @@ class MemPolicy:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("MemPolicy is immutable")
 
-    def _key(self) -> tuple[object, ...]:
+    def key(self) -> tuple[object, ...]:
+        """Every field, for equality and hashing."""
         return (self.mode, self.nodes, self.static, self.relative, self.balancing)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, MemPolicy) and self._key() == other._key()
+        return isinstance(other, MemPolicy) and self.key() == other.key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self.key())
 
     def __repr__(self) -> str:
         return (
@@ -155,7 +159,7 @@ class MemPolicy:
         if flags:
             out += "=" + "|".join(flags)
         if self.nodes and self.mode not in ("default", "local"):
-            out += ":" + _format_list(self.nodes)
+            out += ":" + format_list(self.nodes)
         return out
 
 
@@ -176,7 +180,7 @@ def parse_numa_maps_token(token: str) -> MemPolicy:
     if unknown:
         raise ValueError(f"unknown policy flag {unknown[0]!r} in numa_maps token {token!r}")
     try:
-        nodes = _parse_list(nodelist) if sep else ()
+        nodes = parse_list(nodelist) if sep else ()
     except ValueError:
         raise ValueError(f"bad node list in numa_maps token {token!r}") from None
     return MemPolicy(mode, nodes, "static" in flags, "relative" in flags, "balancing" in flags)
@@ -199,7 +203,7 @@ def nr_node_ids(sysfs_node_dir: str = _SYSFS_NODE) -> int:
     """Highest possible node id + 1, from ``node/possible`` (1 when sysfs lacks it)."""
     try:
         with open(os.path.join(sysfs_node_dir, "possible")) as f:
-            ids = _parse_list(f.read())
+            ids = parse_list(f.read())
     except (OSError, ValueError):
         return 1
     return (max(ids) + 1) if ids else 1
@@ -248,7 +252,7 @@ def set_mempolicy(mode: str, nodes: Iterable[int] = (), *, static: bool = True) 
         if not node_list:
             raise ValueError(f"set_mempolicy({mode}): needs at least one node")
     elif node_list:
-        raise ValueError(f"set_mempolicy({mode}): takes no nodes (got {_format_list(node_list)})")
+        raise ValueError(f"set_mempolicy({mode}): takes no nodes (got {format_list(node_list)})")
     nrs = syscall_numbers()
     raw_mode = MODES[mode]
     if mode in _MASK_MODES:
@@ -259,13 +263,13 @@ def set_mempolicy(mode: str, nodes: Iterable[int] = (), *, static: bool = True) 
         maxnode = bits
     else:
         mask, maxnode = None, 0
-    libc = _libc()
+    libc = load_libc()
     rc = libc.syscall(
         ctypes.c_long(nrs["set_mempolicy"]), ctypes.c_int(raw_mode), mask, ctypes.c_ulong(maxnode)
     )
     if rc != 0:
         err = ctypes.get_errno()
-        what = f"set_mempolicy({mode}" + (f", nodes={_format_list(node_list)})" if node_list else ")")
+        what = f"set_mempolicy({mode}" + (f", nodes={format_list(node_list)})" if node_list else ")")
         reason = os.strerror(err)
         hint = _einval_hint(node_list) if err == errno.EINVAL else ""
         raise OSError(err, f"{what}: {reason}" + (f" — {hint}" if hint else ""))
@@ -277,7 +281,7 @@ def get_mempolicy() -> MemPolicy:
     bits = nodemask_bits()
     mask = _make_mask((), bits)
     mode = ctypes.c_int(0)
-    libc = _libc()
+    libc = load_libc()
     rc = libc.syscall(
         ctypes.c_long(nrs["get_mempolicy"]),
         ctypes.byref(mode),
@@ -312,7 +316,7 @@ def set_cpu_affinity(cpus: Iterable[int]) -> None:
         if e.errno == errno.EINVAL:
             hint = " — none of these CPUs is online and allowed (cpuset)"
         raise OSError(
-            e.errno, f"sched_setaffinity(cpus={_format_list(cpu_set)}): {os.strerror(e.errno or 0)}{hint}"
+            e.errno, f"sched_setaffinity(cpus={format_list(cpu_set)}): {os.strerror(e.errno or 0)}{hint}"
         ) from None
 
 
@@ -339,14 +343,14 @@ def migrate_pages(pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) 
         raise ValueError(f"migrate_pages: bad pid {pid!r}")
     nrs = syscall_numbers()
     bits = nodemask_bits(old + new)
-    libc = _libc()
+    libc = load_libc()
     rc = libc.syscall(
         ctypes.c_long(nrs["migrate_pages"]), ctypes.c_int(pid), ctypes.c_ulong(bits),
         _make_mask(old, bits), _make_mask(new, bits),
     )
     if rc < 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"migrate_pages(pid {pid}, nodes {_format_list(old)} -> {_format_list(new)}): "
+        raise OSError(err, f"migrate_pages(pid {pid}, nodes {format_list(old)} -> {format_list(new)}): "
                            f"{os.strerror(err)}")
     return int(rc)
 
@@ -365,7 +369,9 @@ def libnuma_available() -> bool:
 _LIBC: ctypes.CDLL | None = None
 
 
-def _libc() -> ctypes.CDLL:
+def load_libc() -> ctypes.CDLL:
+    """libc with errno, loaded once (public: the launch trampoline, loaded by file path, calls
+    prctl through it)."""
     global _LIBC
     if _LIBC is None:
         lib = ctypes.CDLL(None, use_errno=True)
@@ -406,7 +412,7 @@ def _mask_nodes(mask: ctypes.Array[ctypes.c_ulong]) -> tuple[int, ...]:
 def _read_list(path: str) -> tuple[int, ...] | None:
     try:
         with open(path) as f:
-            return _parse_list(f.read())
+            return parse_list(f.read())
     except (OSError, ValueError):
         return None
 
@@ -421,7 +427,7 @@ def _einval_hint(nodes: list[int]) -> str:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("Mems_allowed_list:"):
-                    allowed = _parse_list(line.split(":", 1)[1])
+                    allowed = parse_list(line.split(":", 1)[1])
     except (OSError, ValueError):
         pass
     usable = set(with_mem or ()) & set(allowed if allowed is not None else (with_mem or ()))
@@ -431,15 +437,16 @@ def _einval_hint(nodes: list[int]) -> str:
     word = "node" if len(bad) == 1 else "nodes"
     verb = "is" if len(bad) == 1 else "are"
     return (
-        f"{word} {_format_list(bad)} {verb} not online/allowed "
-        f"(nodes with memory: {_format_list(with_mem) or 'none'}; "
-        f"allowed: {_format_list(allowed) if allowed is not None else 'unknown'})"
+        f"{word} {format_list(bad)} {verb} not online/allowed "
+        f"(nodes with memory: {format_list(with_mem) or 'none'}; "
+        f"allowed: {format_list(allowed) if allowed is not None else 'unknown'})"
     )
 
 
 # Minimal cpulist helpers (numaserve.cpulist is the full parser; this module
 # must not import the package, see the module docstring).
-def _parse_list(text: str) -> tuple[int, ...]:
+def parse_list(text: str) -> tuple[int, ...]:
+    """"0-3,8" -> (0, 1, 2, 3, 8); ValueError on bad syntax (the trampoline parses its flags)."""
     out: set[int] = set()
     for part in text.strip().split(","):
         part = part.strip()
@@ -457,7 +464,8 @@ def _parse_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _format_list(items: Iterable[int]) -> str:
+def format_list(items: Iterable[int]) -> str:
+    """(0, 1, 2, 3, 8) -> "0-3,8" (the trampoline's flags and this module's messages)."""
     vals = sorted({int(i) for i in items})
     parts: list[str] = []
     i = 0

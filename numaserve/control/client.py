@@ -37,9 +37,9 @@ class OpsTarget:
     readonly: bool = False                # use ops-ro.sock (read-only verbs)
 
     def describe(self) -> str:
-        return self.endpoint or f"ipc://{self._ipc_path()}"
+        return self.endpoint or f"ipc://{self.ipc_path()}"
 
-    def _ipc_path(self) -> Path:
+    def ipc_path(self) -> Path:
         assert self.runtime_dir is not None
         return self.runtime_dir / (OPS_RO_SOCKET if self.readonly else OPS_SOCKET)
 
@@ -85,7 +85,7 @@ def _connect(sock: zmq.Socket, target: OpsTarget) -> str:
         sock.connect(target.endpoint)
         return target.endpoint
     assert target.runtime_dir is not None
-    path = target._ipc_path()
+    path = target.ipc_path()
     present = socket_present(path)
     if not present:
         raise OpsError(

@@ -554,7 +554,7 @@ class _Conn(asyncio.Protocol):
         self._nread = 0
         self._headers_done = False
         self._framed = False
-        self._counted = False
+        self.counted = False
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -564,8 +564,8 @@ class _Conn(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        if self._counted:
-            self._counted = False
+        if self.counted:
+            self.counted = False
             self.run.open_connections(-1)
         fut, self._fut = self._fut, None
         if fut is None or fut.done():
@@ -641,8 +641,8 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
-            if self._counted:              # gone for us now, even if the loop finalizes it later
-                self._counted = False
+            if self.counted:              # gone for us now, even if the loop finalizes it later
+                self.counted = False
                 self.run.open_connections(-1)
             self.transport.close()
 
@@ -714,7 +714,7 @@ class _Run:
                 self.addrs.insert(0, self.addrs.pop(i))
             self.result.connects += 1
             if not conn.closed:        # counted only once really ours (a cancelled connect is not)
-                conn._counted = True
+                conn.counted = True
                 self.open_connections(+1)
             return conn  # type: ignore[return-value]
         err = last.strerror if last is not None and last.strerror else str(last)

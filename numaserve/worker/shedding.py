@@ -251,9 +251,7 @@ class AdmissionRuntime:
         as queued, 5,000 pipelined requests made ~2 % of them 503 on a quiet worker)."""
         if queued:
             self.runnable.admitted()
-        probe = self.probe
-        if probe._handle is None:   # stopped while idle: arm it
-            probe.kick()
+        self.probe.kick()   # arms it only if it stopped while idle
         if not self.busy.is_set():
             self.busy.set()
 

@@ -124,14 +124,12 @@ class WindowedHistogram:
     def __init__(self, slots: int) -> None:
         self._ring = [LatencyHistogram() for _ in range(max(1, slots))]
         self._cur = 0
-
-    @property
-    def current(self) -> LatencyHistogram:
-        """The slot being filled now."""
-        return self._ring[self._cur]
+        #: the slot being filled now: a plain attribute (not a property), since the worker
+        #: reads it once per request
+        self.current = self._ring[0]
 
     def observe(self, ms: float) -> None:
-        self._ring[self._cur].observe(ms)
+        self.current.observe(ms)
 
     def merged(self) -> LatencyHistogram:
         out = LatencyHistogram()
@@ -141,7 +139,8 @@ class WindowedHistogram:
 
     def rotate(self) -> None:
         self._cur = (self._cur + 1) % len(self._ring)
-        self._ring[self._cur].clear()
+        self.current = self._ring[self._cur]
+        self.current.clear()
 
 
 def status_class(status: int) -> str:
@@ -207,8 +206,7 @@ class WorkerStats:
         self.requests += 1
         by = self.by_status
         by[status] = by.get(status, 0) + 1
-        w = self.window
-        h = w._ring[w._cur]   # (w.current without the property call: this runs per request)
+        h = self.window.current
         if latency_ms < 0.0:
             latency_ms = 0.0
         h.counts[bisect.bisect_left(BUCKET_UPPER_MS, latency_ms)] += 1
