@@ -5,8 +5,9 @@ parsed by uvicorn's protocol, frames from ``numaserve.worker.sniff`` and
 h11 alike), with one ``send`` wrapper and, only when the request has a
 body, one ``receive`` wrapper — or, for an HTTP/1 request whose body is
 already in, the same work done by the protocol's request cycle
-(``numaserve.worker.httpproto.LeanCycle.run_asgi``: no layer at all).  Per
-request it:
+(``numaserve.worker.httpproto.LeanCycle.run_asgi``: no layer at all).  Both
+paths do the per-request accounting through one ``numaserve.worker.
+requestacct.RequestAcct`` (this layer's ``_Exchange`` is one).  Per request it:
 
 * counts it (``WorkerStats``: in flight, status, latency — a few increments);
 * finishes admission: the "cpu" limiter decided in the protocol at
@@ -45,6 +46,7 @@ from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.cpu_gate import CpuPermit
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send
+from numaserve.worker.requestacct import RequestAcct
 from numaserve.worker.shedding import (
     CONN_KEY,
     PERMIT_KEY,
@@ -94,14 +96,12 @@ def _with_close(message: Message) -> Message:
     return out
 
 
-class _Exchange:
-    """One request's state at the edge; ``send``/``receive`` are the only wrappers."""
+class _Exchange(RequestAcct):
+    """One request's state at the edge: its accounting (``RequestAcct``: counted from here,
+    ``finish`` at its end) and the body limits; ``send``/``receive`` are the only wrappers."""
 
     __slots__ = (
         "body_done",
-        "edge",
-        "outcome",
-        "permit",
         "raw_receive",
         "raw_send",
         "read_by",
@@ -109,18 +109,16 @@ class _Exchange:
         "received",
         "refused",
         "started",
-        "status",
     )
 
+    edge: Edge
+
     def __init__(self, edge: Edge, send: Send, receive: Receive) -> None:
-        self.edge = edge
+        RequestAcct.__init__(self, edge)
         self.raw_send = send
         self.raw_receive = receive
-        self.status = 0          # the response status (0: none yet)
         self.started = False
         self.refused = 0         # the status the edge answered instead of the app (0: none)
-        self.permit: Any = None  # the admission permit while held
-        self.outcome = "ok"      # how the request ended, for the gate's counters
         self.received = 0
         self.body_done = False
         self.read_deadline: float | None = None   # loop time the body must be in by
@@ -134,12 +132,10 @@ class _Exchange:
         if not self.started:
             if message["type"] == "http.response.start":
                 self.started = True
-                self.status = int(message["status"])
-                if self.edge.closing():
+                if self.on_response_start(int(message["status"])):
                     message = _with_close(message)
         elif self.permit is not None and message.get("more_body", False):
-            self.edge.release(self.permit, "ok")   # a stream: no permit between chunks
-            self.permit = None
+            self.streaming()
         return self.raw_send(message)
 
     async def receive(self) -> Message:
@@ -202,7 +198,7 @@ class Edge:
 
     Served by the worker's HTTP protocol, a request with its body already in skips this
     layer's coroutine and wrapper: ``numaserve.worker.httpproto.LeanCycle.run_asgi`` does
-    the same per-request work (``protocol_foldable``).
+    the same per-request work with the same ``RequestAcct`` (``protocol_foldable``).
     """
 
     #: ``LeanCycle`` may do this layer's per-request work itself (see above).
@@ -238,10 +234,6 @@ class Edge:
             return True
         return self.close_when_overloaded and self.gate.shedding(self.cpu.clock())
 
-    def release(self, permit: Any, outcome: str, now: float | None = None) -> None:
-        cpu = self.cpu
-        self.gate.release(cpu.clock() if now is None else now, permit, outcome)
-
     def count_refusal(self, status: int) -> None:
         stats = self.limit_stats
         if stats is not None:
@@ -255,43 +247,20 @@ class Edge:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            ex = _Exchange(self, send, receive)
-            stats = self.stats
-            cpu = self.cpu
-            if cpu is not None:   # limiter "cpu": two clock reads per request, shared with the stats
-                clock = cpu.clock
-                t0 = clock()
-                if stats is not None:
-                    stats.inflight += 1
-                try:
-                    await self._http(scope, ex, t0)
-                finally:
-                    end = clock()
-                    permit = ex.permit
-                    if permit is not None:
-                        ex.permit = None
-                        self.gate.release(end, permit, ex.outcome)
-                    if stats is not None:
-                        stats.request_finished(ex.status or 500, (end - t0) * 1000.0)
-                return
-            if stats is None:
-                await self._http(scope, ex, 0.0)
-                return
-            stats.inflight += 1
-            t0 = time.perf_counter()
+            ex = _Exchange(self, send, receive)   # counted from here, two clock reads per request
             try:
-                await self._http(scope, ex, 0.0)
+                await self._http(scope, ex)
             finally:
-                # no response: uvicorn answers 500 (app raised or returned without one) or the client left
-                stats.request_finished(ex.status or 500, (time.perf_counter() - t0) * 1000.0)
+                ex.finish()
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
-    async def _http(self, scope: Scope, ex: _Exchange, now: float) -> None:
+    async def _http(self, scope: Scope, ex: _Exchange) -> None:
         """Admission finished (limiter "cpu": decided here for frames and h11), then the app.
-        With the "cpu" limiter the permit is left in ``ex`` for ``__call__`` to release."""
+        The permit is left in ``ex`` for ``__call__`` to release (``ex.finish``)."""
+        now = ex.t0
         deadline: float | None = None
         permit = None
         cpu = self.cpu
@@ -313,18 +282,15 @@ class Edge:
                 conn = None
             else:
                 conn = getattr(permit, "conn", None) or scope.pop(CONN_KEY, None)
-            if conn is not None and now - permit.enqueued_at > self.gone_after and cpu.client_gone(conn):
-                gate.client_gone(now, permit)  # waited so long its client left: do not run it
-                return
-            cpu.started(permit, now)
+            if not ex.hold(permit, now, conn):
+                return   # waited so long its client left: not run
             deadline = permit.deadline
         if permit is None:
             await self._limited(scope, ex)
             return
-        ex.permit = permit
         try:
             if deadline is None:
-                receive = self._body_receive(scope, ex, now if cpu is not None else 0.0)
+                receive = self._body_receive(scope, ex, now)
                 if receive is None:
                     await self._answer_413(ex)
                 else:
@@ -348,22 +314,10 @@ class Edge:
                         await ex.answer(504, "deadline passed while the request ran")
                         return
                     raise
-            status = ex.status
-            if status >= 500:
-                ex.outcome = "dropped" if status == 504 else "ignored"
-            elif status == 400:
-                ex.outcome = "bad_request"
-        except asyncio.CancelledError:
-            ex.outcome = "dropped"
+            ex.judge()
+        except BaseException as e:
+            ex.failed(e)
             raise
-        except Exception:
-            if ex.outcome == "ok":
-                ex.outcome = "ignored"
-            raise
-        finally:
-            if cpu is None and ex.permit is not None:   # ("cpu": released by __call__, at its end clock)
-                ex.permit = None
-                self.release(permit, ex.outcome)
 
     def _body_receive(self, scope: Scope, ex: _Exchange, now: float = 0.0) -> Receive | None:
         """The ``receive`` the app gets (limited when there are limits); None: refused with 413.

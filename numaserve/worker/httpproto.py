@@ -30,8 +30,10 @@ subclasses, each calling ``super()``:
   of a ``call_later`` per response and a cancel per read;
 * **the edge, folded** — for a request whose body is already in (every
   GET, every small POST read with its head) ``LeanCycle.run_asgi`` does the
-  worker ``Edge``'s per-request work itself (counting, the admission permit,
-  queue delay, ``Connection: close`` while draining) and calls the app behind
+  worker ``Edge``'s per-request work itself, with the edge's own accounting
+  object (``numaserve.worker.requestacct.RequestAcct``: counting, the admission
+  permit, the departed client, ``Connection: close`` while draining, the
+  outcome) and calls the app behind
   the edge with the cycle's own ``send``/``receive``: one coroutine and no
   wrapper per request or SSE chunk.  The rest (bodies still arriving, deadlines,
   other limiters, proxy headers) runs through the ``Edge``.
@@ -67,6 +69,7 @@ from numaserve.worker.shedding import (
     request_deadline,
     tcp_wait_and_state,
 )
+from numaserve.worker.requestacct import RequestAcct
 
 __all__ = ["GuardedHttpToolsProtocol", "LeanCycle", "ProtocolSettings", "connection_limit_503"]
 
@@ -114,16 +117,15 @@ class LeanCycle(RequestResponseCycle):
     in (below).  Every attribute is set in ``__init__``, in one order: class-level defaults
     (fewer stores) measured dearer, since reads that fall through to the class are not
     specialised (+2 % instructions per request).  ``edge``: the worker's ``Edge`` when its
-    per-request work is folded into this cycle (``run_asgi``); ``folded``: this request took
-    that path; ``permit``: the admission permit while held there; ``status``: the response's.
+    per-request work can be folded into this cycle (``run_asgi``); ``acct``: that work's
+    ``RequestAcct`` when this request took that path (None: uvicorn's path).
     """
 
-    def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool) -> None:
-        self.edge = proto._fold
-        self.folded = False
-        self.permit = None
+    def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool,
+                 edge: Any = None) -> None:
+        self.edge = edge
+        self.acct: RequestAcct | None = None
         self.grant = None    # the admission permit this request owns from head-complete (protocol's)
-        self.status = 0
         self.scope = scope
         self.transport = proto.transport
         self.flow = proto.flow
@@ -172,39 +174,22 @@ class LeanCycle(RequestResponseCycle):
                 await RequestResponseCycle.run_asgi(self, app)   # undecided, or a deadline: the edge's path
                 return
             del scope[PERMIT_KEY]
-        clock = edge.clock
-        stats = edge.stats
-        t0 = clock()
-        stats.inflight += 1
-        self.folded = True
-        outcome = "ok"
+        acct = self.acct = RequestAcct(edge)   # counted from here
         inner = edge.app
         try:
-            if permit is not None:
-                if t0 - permit.enqueued_at > edge.gone_after and cpu.client_gone(permit.conn):
-                    edge.gate.client_gone(t0, permit)   # waited so long its client left: not run
-                    inner = _no_response
-                else:
-                    cpu.started(permit, t0)
-                    self.permit = permit
+            if permit is not None and not acct.hold(permit, acct.t0, permit.conn):
+                inner = _no_response   # waited so long its client left: not run
             try:
                 result = await inner(scope, self.receive, self.send)
             except BaseException as exc:
-                if isinstance(exc, Exception):
-                    outcome = "ignored"
-                elif isinstance(exc, asyncio.CancelledError):
-                    outcome = "dropped"
+                acct.failed(exc)
                 self.logger.error("Exception in ASGI application\n", exc_info=exc)
                 if not self.response_started:
                     await self.send_500_response()
                 else:
                     self.transport.close()
             else:
-                status = self.status
-                if status >= 500:
-                    outcome = "dropped" if status == 504 else "ignored"
-                elif status == 400:
-                    outcome = "bad_request"
+                acct.judge()
                 if result is not None:
                     self.logger.error("ASGI callable should return None, but returned '%s'.", result)
                     self.transport.close()
@@ -215,12 +200,7 @@ class LeanCycle(RequestResponseCycle):
                     self.logger.error("ASGI callable returned without completing response.")
                     self.transport.close()
         finally:
-            end = clock()
-            permit = self.permit
-            if permit is not None:
-                self.permit = None
-                edge.gate.release(end, permit, outcome)
-            stats.request_finished(self.status or 500, (end - t0) * 1000.0)
+            acct.finish()
             self.on_response = _noop
 
     @property
@@ -268,11 +248,9 @@ class LeanCycle(RequestResponseCycle):
             self.response_started = True
             self.waiting_for_100_continue = False
             status_code = message["status"]
-            self.status = int(status_code)
-            if self.folded:   # the edge's part: Connection: close while draining (or shedding)
-                edge = self.edge
-                if edge.stats.draining or (edge.close_when_overloaded and edge.gate.shedding(edge.clock())):
-                    self.keep_alive = False
+            acct = self.acct
+            if acct is not None and acct.on_response_start(int(status_code)):
+                self.keep_alive = False   # the edge's part: Connection: close while draining (or shedding)
             if self.access_log:
                 self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
                                         self.scope["method"], get_path_with_query_string(self.scope),
@@ -340,11 +318,9 @@ class LeanCycle(RequestResponseCycle):
                 elif num_bytes:
                     self.transport.write(body)
             if more_body:
-                permit = self.permit
-                if permit is not None:   # a stream: no permit between chunks
-                    self.permit = None
-                    edge = self.edge
-                    edge.gate.release(edge.clock(), permit, "ok")
+                acct = self.acct
+                if acct is not None:   # a stream: no permit between chunks
+                    acct.streaming()
             else:
                 if self.expected_content_length != 0:
                     raise RuntimeError("Response content shorter than Content-Length")
@@ -626,7 +602,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             app = self.app
         existing = self.cycle
         self.cycle = LeanCycle(self, scope, http_version != "1.0" and parser.should_keep_alive(),
-                               self.expect_100_continue)
+                               self.expect_100_continue, self._fold)
         self.cycle.grant, self._grant = self._grant, None   # the request owns its permit now
         if existing is None or existing.response_complete:
             self._start_asgi_task(self.cycle, app)

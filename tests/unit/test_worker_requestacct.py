@@ -1,0 +1,185 @@
+"""One per-request accounting object (issue 33 item 2): ``RequestAcct`` on fakes, and the rule
+that the request paths (the protocol's folded cycle, the ``Edge``, frames) do their per-request
+counting and permit work through it only."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from numaserve.worker.requestacct import RequestAcct
+from numaserve.worker.stats import WorkerStats
+
+PKG = Path(__file__).resolve().parents[2] / "numaserve"
+
+
+class FakePermit:
+    def __init__(self, enqueued_at: float = 0.0) -> None:
+        self.enqueued_at = enqueued_at
+
+
+class FakeGate:
+    def __init__(self) -> None:
+        self.released: list[tuple[float, Any, str]] = []
+        self.gone: list[Any] = []
+
+    def release(self, now: float, permit: Any, outcome: str) -> None:
+        self.released.append((now, permit, outcome))
+
+    def client_gone(self, now: float, permit: Any) -> None:
+        self.gone.append(permit)
+
+
+class FakeCpu:
+    def __init__(self, client_left: bool = False) -> None:
+        self.client_left = client_left
+        self.started_permits: list[Any] = []
+
+    def client_gone(self, conn: Any) -> bool:
+        return self.client_left
+
+    def started(self, permit: Any, now: float) -> None:
+        self.started_permits.append(permit)
+
+
+class FakeEdge:
+    def __init__(self, *, stats: WorkerStats | None = None, client_left: bool = False,
+                 closing: bool = False) -> None:
+        self.stats = stats if stats is not None else WorkerStats()
+        self.cpu = FakeCpu(client_left)
+        self.gate = FakeGate()
+        self.gone_after = 0.5
+        self.now = 10.0
+        self._closing = closing
+
+    def clock(self) -> float:
+        return self.now
+
+    def closing(self) -> bool:
+        return self._closing
+
+
+def test_counted_from_start_to_finish_with_latency_and_status() -> None:
+    edge = FakeEdge()
+    acct = RequestAcct(edge)
+    assert edge.stats.inflight == 1
+    assert acct.on_response_start(201) is False
+    edge.now = 10.25
+    acct.finish()
+    assert edge.stats.inflight == 0 and edge.stats.requests == 1
+    assert edge.stats.by_status == {201: 1}
+    assert edge.stats.window.current.sum_ms == pytest.approx(250.0)
+
+
+def test_no_response_counts_as_500() -> None:
+    edge = FakeEdge()
+    RequestAcct(edge).finish()
+    assert edge.stats.by_status == {500: 1}
+
+
+def test_without_stats_nothing_is_counted() -> None:
+    edge = FakeEdge()
+    edge.stats = None
+    acct = RequestAcct(edge)
+    acct.finish()   # no error, nothing to count
+
+
+def test_the_permit_is_held_then_released_once_with_the_outcome() -> None:
+    edge = FakeEdge()
+    acct = RequestAcct(edge)
+    p = FakePermit(enqueued_at=9.9)
+    assert acct.hold(p, edge.now, conn=object())
+    assert edge.cpu.started_permits == [p]
+    acct.on_response_start(503)
+    acct.judge()
+    acct.finish()
+    acct.finish()
+    assert [(r[1], r[2]) for r in edge.gate.released] == [(p, "ignored")]
+
+
+def test_a_request_whose_client_left_while_it_waited_is_not_run() -> None:
+    edge = FakeEdge(client_left=True)
+    acct = RequestAcct(edge)
+    p = FakePermit(enqueued_at=edge.now - 1.0)   # waited past gone_after
+    assert not acct.hold(p, edge.now, conn=object())
+    assert edge.gate.gone == [p] and edge.cpu.started_permits == []
+    acct.finish()
+    assert edge.gate.released == []   # given back as "client gone", not released again
+
+
+def test_a_recent_request_or_one_without_a_connection_is_not_checked() -> None:
+    edge = FakeEdge(client_left=True)
+    assert RequestAcct(edge).hold(FakePermit(enqueued_at=edge.now - 0.1), edge.now, conn=object())
+    assert RequestAcct(edge).hold(FakePermit(enqueued_at=edge.now - 9.0), edge.now, conn=None)
+    assert edge.gate.gone == []
+
+
+def test_a_stream_gives_its_permit_back_at_its_first_chunk() -> None:
+    edge = FakeEdge()
+    acct = RequestAcct(edge)
+    p = FakePermit()
+    acct.hold(p, edge.now, conn=None)
+    acct.streaming()
+    acct.streaming()
+    acct.finish()
+    assert [(r[1], r[2]) for r in edge.gate.released] == [(p, "ok")]
+
+
+def test_closing_is_the_edges_word() -> None:
+    assert RequestAcct(FakeEdge(closing=True)).on_response_start(200) is True
+
+
+@pytest.mark.parametrize(("status", "outcome"), [(200, "ok"), (404, "ok"), (400, "bad_request"),
+                                                 (500, "ignored"), (503, "ignored"), (504, "dropped")])
+def test_the_outcome_from_the_status(status: int, outcome: str) -> None:
+    acct = RequestAcct(FakeEdge())
+    acct.on_response_start(status)
+    acct.judge()
+    assert acct.outcome == outcome
+
+
+def test_the_outcome_from_an_exception_keeps_a_deadlines_drop() -> None:
+    acct = RequestAcct(FakeEdge())
+    acct.failed(ValueError("app"))
+    assert acct.outcome == "ignored"
+    acct = RequestAcct(FakeEdge())
+    acct.failed(asyncio.CancelledError())
+    assert acct.outcome == "dropped"
+    acct = RequestAcct(FakeEdge())
+    acct.outcome = "dropped"    # the deadline passed, then the timeout propagated
+    acct.failed(TimeoutError())
+    assert acct.outcome == "dropped"
+
+
+#: The per-request work only ``RequestAcct`` does on the request paths.
+ACCOUNTING_CALLS = ("request_finished", "request_started", "started")
+REQUEST_PATHS = ("worker/httpproto.py", "worker/edge.py", "worker/sniff.py", "framing.py")
+
+
+def accounting_outside(source: str) -> list[str]:
+    """Per-request accounting done by hand in ``source``: counting in flight, the stats'
+    request end, ``cpu.started``."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ACCOUNTING_CALLS):
+            found.append(f"{n.lineno} {ast.unparse(n.func)}")
+        elif (isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Attribute)
+              and n.target.attr == "inflight"):
+            found.append(f"{n.lineno} {ast.unparse(n.target)} {'+=' if isinstance(n.op, ast.Add) else '-='}")
+    return found
+
+
+def test_the_finder_sees_hand_made_accounting() -> None:
+    src = "stats.inflight += 1\nstats.request_finished(200, 1.0)\ncpu.started(p, 0.0)\nself._inflight += 1\n"
+    assert accounting_outside(src) == ["1 stats.inflight +=", "2 stats.request_finished", "3 cpu.started"]
+
+
+@pytest.mark.parametrize("rel", REQUEST_PATHS)
+def test_request_paths_account_through_requestacct_only(rel: str) -> None:
+    found = accounting_outside((PKG / rel).read_text())
+    assert not found, f"numaserve/{rel} does per-request accounting by hand (use RequestAcct): {found}"
