@@ -164,15 +164,4 @@ def test_slot_helpers_never_see_the_supervisor(mod: str) -> None:
     assert not private, f"{mod} reaches into private state: {private}"
 
 
-def test_supervisor_modules_never_touch_another_objects_private_state() -> None:
-    """In numaserve/supervisor/, ``x._name`` is only ever ``self._name`` (or ``cls``): what one
-    object needs from another is a public method, so a role can move without its callers' help."""
-    found = []
-    for name, path in sorted(MODULES.items()):
-        if not name.startswith("numaserve.supervisor."):
-            continue
-        for n in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
-                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
-                found.append(f"{name}:{n.lineno} {ast.unparse(n)}")
-    assert not found, found
+# (no private reach across objects: package-wide in tests/unit/test_private_reaches.py)
