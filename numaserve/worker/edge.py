@@ -227,13 +227,6 @@ class Edge:
 
     # --- the per-request pieces the exchange calls -----------------------------------------
 
-    def closing(self) -> bool:
-        """Responses say ``Connection: close`` now (draining, or shedding when configured)."""
-        stats = self.stats
-        if stats is not None and stats.draining:
-            return True
-        return self.close_when_overloaded and self.gate.shedding(self.cpu.clock())
-
     def count_refusal(self, status: int) -> None:
         stats = self.limit_stats
         if stats is not None:

@@ -319,7 +319,7 @@ class LeanCycle(RequestResponseCycle):
                     self.transport.write(body)
             if more_body:
                 acct = self.acct
-                if acct is not None:   # a stream: no permit between chunks
+                if acct is not None and acct.permit is not None:   # a stream: no permit between chunks
                     acct.streaming()
             else:
                 if self.expected_content_length != 0:

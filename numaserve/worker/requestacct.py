@@ -27,9 +27,8 @@ class EdgeParts(Protocol):
     cpu: Any            # AdmissionRuntime or None (no admission: no permits)
     gate: Any           # the runtime's CpuGate, or None
     gone_after: float   # a permit older than this: check its client is still there
+    close_when_overloaded: bool   # Connection: close while the gate sheds, too
     clock: Callable[[], float]
-
-    def closing(self) -> bool: ...
 
 
 class RequestAcct:
@@ -70,7 +69,11 @@ class RequestAcct:
         """The response starts with ``status``; True when it must say ``Connection: close``
         (the worker drains, or sheds with ``admission.close_when_overloaded``)."""
         self.status = status
-        return self.edge.closing()
+        edge = self.edge
+        stats = edge.stats
+        if stats is not None and stats.draining:
+            return True
+        return edge.close_when_overloaded and edge.gate.shedding(edge.clock())
 
     def streaming(self) -> None:
         """A body chunk with more to come: a stream between two chunks uses no CPU, so it holds
@@ -81,14 +84,6 @@ class RequestAcct:
             edge = self.edge
             edge.gate.release(edge.clock(), permit, "ok")
 
-    def judge(self) -> None:
-        """The app returned: the outcome from the response's status."""
-        status = self.status
-        if status >= 500:
-            self.outcome = "dropped" if status == 504 else "ignored"
-        elif status == 400:
-            self.outcome = "bad_request"
-
     def failed(self, exc: BaseException) -> None:
         """The app (or the wait for it) raised ``exc``: cancelled is "dropped", an error
         "ignored" unless an outcome was already set (a deadline's "dropped")."""
@@ -96,6 +91,15 @@ class RequestAcct:
             self.outcome = "dropped"
         elif isinstance(exc, Exception) and self.outcome == "ok":
             self.outcome = "ignored"
+
+    def judge(self) -> None:
+        """The app returned: the outcome from the status it answered (before uvicorn's 500 for
+        an app that answered nothing, which is not the app's error status)."""
+        status = self.status
+        if status >= 500:
+            self.outcome = "dropped" if status == 504 else "ignored"
+        elif status == 400:
+            self.outcome = "bad_request"
 
     def finish(self) -> None:
         """The request is over: the permit back (if still held) and the request counted, with

@@ -23,9 +23,13 @@ class FakePermit:
 
 
 class FakeGate:
-    def __init__(self) -> None:
+    def __init__(self, shedding: bool = False) -> None:
         self.released: list[tuple[float, Any, str]] = []
         self.gone: list[Any] = []
+        self.sheds = shedding
+
+    def shedding(self, now: float) -> bool:
+        return self.sheds
 
     def release(self, now: float, permit: Any, outcome: str) -> None:
         self.released.append((now, permit, outcome))
@@ -47,20 +51,17 @@ class FakeCpu:
 
 
 class FakeEdge:
-    def __init__(self, *, stats: WorkerStats | None = None, client_left: bool = False,
-                 closing: bool = False) -> None:
-        self.stats = stats if stats is not None else WorkerStats()
+    def __init__(self, *, client_left: bool = False, shedding: bool = False,
+                 close_when_overloaded: bool = False) -> None:
+        self.stats: WorkerStats | None = WorkerStats()
         self.cpu = FakeCpu(client_left)
-        self.gate = FakeGate()
+        self.gate = FakeGate(shedding)
         self.gone_after = 0.5
+        self.close_when_overloaded = close_when_overloaded
         self.now = 10.0
-        self._closing = closing
 
     def clock(self) -> float:
         return self.now
-
-    def closing(self) -> bool:
-        return self._closing
 
 
 def test_counted_from_start_to_finish_with_latency_and_status() -> None:
@@ -129,30 +130,53 @@ def test_a_stream_gives_its_permit_back_at_its_first_chunk() -> None:
     assert [(r[1], r[2]) for r in edge.gate.released] == [(p, "ok")]
 
 
-def test_closing_is_the_edges_word() -> None:
-    assert RequestAcct(FakeEdge(closing=True)).on_response_start(200) is True
+def test_connection_close_while_draining_or_shedding_when_configured() -> None:
+    assert RequestAcct(FakeEdge()).on_response_start(200) is False
+    draining = FakeEdge()
+    assert draining.stats is not None
+    draining.stats.draining = True
+    assert RequestAcct(draining).on_response_start(200) is True
+    assert RequestAcct(FakeEdge(shedding=True)).on_response_start(200) is False
+    assert RequestAcct(FakeEdge(shedding=True, close_when_overloaded=True)).on_response_start(200) is True
+
+
+def _released_outcome(status: int, exc: BaseException | None = None, preset: str = "ok") -> str:
+    edge = FakeEdge()
+    acct = RequestAcct(edge)
+    acct.hold(FakePermit(), edge.now, conn=None)
+    acct.outcome = preset
+    if status:
+        acct.on_response_start(status)
+    if exc is not None:
+        acct.failed(exc)
+    else:
+        acct.judge()
+    acct.finish()
+    return edge.gate.released[0][2]
 
 
 @pytest.mark.parametrize(("status", "outcome"), [(200, "ok"), (404, "ok"), (400, "bad_request"),
                                                  (500, "ignored"), (503, "ignored"), (504, "dropped")])
 def test_the_outcome_from_the_status(status: int, outcome: str) -> None:
-    acct = RequestAcct(FakeEdge())
-    acct.on_response_start(status)
-    acct.judge()
-    assert acct.outcome == outcome
+    assert _released_outcome(status) == outcome
+
+
+def test_an_app_that_answered_nothing_is_judged_before_uvicorns_500() -> None:
+    edge = FakeEdge()
+    acct = RequestAcct(edge)
+    acct.hold(FakePermit(), edge.now, conn=None)
+    acct.judge()                  # returned without a response
+    acct.on_response_start(500)   # uvicorn's answer, after
+    acct.finish()
+    assert edge.gate.released[0][2] == "ok" and edge.stats is not None and edge.stats.by_status == {500: 1}
 
 
 def test_the_outcome_from_an_exception_keeps_a_deadlines_drop() -> None:
-    acct = RequestAcct(FakeEdge())
-    acct.failed(ValueError("app"))
-    assert acct.outcome == "ignored"
-    acct = RequestAcct(FakeEdge())
-    acct.failed(asyncio.CancelledError())
-    assert acct.outcome == "dropped"
-    acct = RequestAcct(FakeEdge())
-    acct.outcome = "dropped"    # the deadline passed, then the timeout propagated
-    acct.failed(TimeoutError())
-    assert acct.outcome == "dropped"
+    assert _released_outcome(0, ValueError("app")) == "ignored"
+    assert _released_outcome(200, ValueError("app after its start")) == "ignored"
+    assert _released_outcome(0, asyncio.CancelledError()) == "dropped"
+    # the deadline passed (the edge set "dropped"), then the timeout propagated
+    assert _released_outcome(0, TimeoutError(), preset="dropped") == "dropped"
 
 
 #: The per-request work only ``RequestAcct`` does on the request paths.
