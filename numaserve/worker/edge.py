@@ -114,7 +114,7 @@ class _Exchange(RequestAcct):
     edge: Edge
 
     def __init__(self, edge: Edge, send: Send, receive: Receive) -> None:
-        RequestAcct.__init__(self, edge)
+        self.begin(edge)
         self.raw_send = send
         self.raw_receive = receive
         self.started = False
@@ -307,7 +307,6 @@ class Edge:
                         await ex.answer(504, "deadline passed while the request ran")
                         return
                     raise
-            ex.judge()
         except BaseException as e:
             ex.failed(e)
             raise

@@ -110,21 +110,22 @@ def _check_header(name: bytes, value: bytes) -> None:
         pass
 
 
-class LeanCycle(RequestResponseCycle):
+class LeanCycle(RequestResponseCycle, RequestAcct):
     """uvicorn's ``RequestResponseCycle`` (same ASGI semantics), cheaper per request.
 
     ``send_500_response`` is uvicorn's; ``run_asgi`` is uvicorn's unless the edge is folded
     in (below).  Every attribute is set in ``__init__``, in one order: class-level defaults
     (fewer stores) measured dearer, since reads that fall through to the class are not
     specialised (+2 % instructions per request).  ``edge``: the worker's ``Edge`` when its
-    per-request work can be folded into this cycle (``run_asgi``); ``acct``: that work's
-    ``RequestAcct`` when this request took that path (None: uvicorn's path).
+    per-request work can be folded into this cycle (``run_asgi``); ``folded``: this request
+    took that path, and the cycle's ``RequestAcct`` part accounts for it.
     """
 
     def __init__(self, proto: Any, scope: Any, keep_alive: bool, expect_100_continue: bool,
                  edge: Any = None) -> None:
         self.edge = edge
-        self.acct: RequestAcct | None = None
+        self.folded = False
+        self.permit = None   # (RequestAcct's: read by send for a stream on either path)
         self.grant = None    # the admission permit this request owns from head-complete (protocol's)
         self.scope = scope
         self.transport = proto.transport
@@ -174,33 +175,34 @@ class LeanCycle(RequestResponseCycle):
                 await RequestResponseCycle.run_asgi(self, app)   # undecided, or a deadline: the edge's path
                 return
             del scope[PERMIT_KEY]
-        acct = self.acct = RequestAcct(edge)   # counted from here
+        self.folded = True
+        self.begin(edge)   # counted from here
         inner = edge.app
         try:
-            if permit is not None and not acct.hold(permit, acct.t0, permit.conn):
+            if permit is not None and not self.hold(permit, self.t0, permit.conn):
                 inner = _no_response   # waited so long its client left: not run
             try:
                 result = await inner(scope, self.receive, self.send)
             except BaseException as exc:
-                acct.failed(exc)
+                self.failed(exc)
                 self.logger.error("Exception in ASGI application\n", exc_info=exc)
                 if not self.response_started:
                     await self.send_500_response()
                 else:
                     self.transport.close()
             else:
-                acct.judge()
                 if result is not None:
                     self.logger.error("ASGI callable should return None, but returned '%s'.", result)
                     self.transport.close()
                 elif not self.response_started and not self.disconnected:
                     self.logger.error("ASGI callable returned without starting response.")
+                    self.judge()   # what the app answered (nothing), not uvicorn's 500 below
                     await self.send_500_response()
                 elif not self.response_complete and not self.disconnected:
                     self.logger.error("ASGI callable returned without completing response.")
                     self.transport.close()
         finally:
-            acct.finish()
+            self.finish()
             self.on_response = _noop
 
     @property
@@ -248,8 +250,7 @@ class LeanCycle(RequestResponseCycle):
             self.response_started = True
             self.waiting_for_100_continue = False
             status_code = message["status"]
-            acct = self.acct
-            if acct is not None and acct.on_response_start(int(status_code)):
+            if self.folded and self.on_response_start(int(status_code)):
                 self.keep_alive = False   # the edge's part: Connection: close while draining (or shedding)
             if self.access_log:
                 self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
@@ -318,9 +319,8 @@ class LeanCycle(RequestResponseCycle):
                 elif num_bytes:
                     self.transport.write(body)
             if more_body:
-                acct = self.acct
-                if acct is not None and acct.permit is not None:   # a stream: no permit between chunks
-                    acct.streaming()
+                if self.permit is not None:   # a stream: no permit between chunks
+                    self.streaming()
             else:
                 if self.expected_content_length != 0:
                     raise RuntimeError("Response content shorter than Content-Length")

@@ -8,8 +8,10 @@ deadline) or through the ``Edge`` layer (frames, h11, a body still arriving, a d
 request can use CPU, and report the same outcome to the gate; this is the one place that
 says how.  It reads the edge through public names only (``EdgeParts``).
 
-Cost: one small object per request (``__slots__``); the per-chunk work of a stream is one
-attribute test.
+Cost: no object of its own.  Each path's per-request object *is* one (``LeanCycle`` and the
+edge's ``_Exchange`` inherit it), and the folded path makes four calls per request (``begin``,
+``hold``, ``on_response_start``, ``finish``): the outcome is judged at ``finish`` by a table
+lookup.  A stream's chunks after the first cost one attribute test.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Protocol
 
-__all__ = ["EdgeParts", "RequestAcct"]
+__all__ = ["OUTCOME_BY_STATUS", "EdgeParts", "RequestAcct"]
+
+#: What the gate is told of a request that answered with a status (anything else is "ok"):
+#: a 5xx is the server's failure ("ignored"), a 504 a deadline ("dropped"), a 400 the client's.
+OUTCOME_BY_STATUS: dict[int, str] = {
+    **dict.fromkeys(range(500, 1000), "ignored"), 504: "dropped", 400: "bad_request",
+}
 
 
 class EdgeParts(Protocol):
@@ -34,18 +42,26 @@ class EdgeParts(Protocol):
 class RequestAcct:
     """One request, from its start to its end (see the module docstring).
 
-    Made when the request starts (its clock read, counted in flight); ``finish`` when it ends,
-    however it ends.  ``permit``: the admission permit while held; ``status``: the response's
-    (0: none yet); ``outcome``: what the gate is told at release ("ok", "ignored", "dropped",
-    "bad_request").
+    A base class of each path's per-request object: ``begin`` when the request starts (its
+    clock read, counted in flight), ``finish`` when it ends, however it ends.  ``permit``: the
+    admission permit while held; ``status``: the response's (0: none yet); ``outcome``: what
+    the gate is told at release, None until set ("ok", "ignored", "dropped", "bad_request";
+    None at ``finish``: judged from ``status``).
     """
 
     __slots__ = ("edge", "outcome", "permit", "status", "t0")
 
-    def __init__(self, edge: EdgeParts) -> None:
+    edge: EdgeParts
+    outcome: str | None
+    permit: Any
+    status: int
+    t0: float
+
+    def begin(self, edge: EdgeParts) -> None:
+        """The request starts: clock read, counted in flight, nothing held."""
         self.edge = edge
-        self.permit: Any = None
-        self.outcome = "ok"
+        self.permit = None
+        self.outcome = None
         self.status = 0
         self.t0 = edge.clock()
         stats = edge.stats
@@ -89,28 +105,27 @@ class RequestAcct:
         "ignored" unless an outcome was already set (a deadline's "dropped")."""
         if isinstance(exc, asyncio.CancelledError):
             self.outcome = "dropped"
-        elif isinstance(exc, Exception) and self.outcome == "ok":
+        elif isinstance(exc, Exception) and self.outcome is None:
             self.outcome = "ignored"
 
     def judge(self) -> None:
-        """The app returned: the outcome from the status it answered (before uvicorn's 500 for
-        an app that answered nothing, which is not the app's error status)."""
-        status = self.status
-        if status >= 500:
-            self.outcome = "dropped" if status == 504 else "ignored"
-        elif status == 400:
-            self.outcome = "bad_request"
+        """The outcome from the status answered so far, now: for a path that answers after the
+        app returned (uvicorn's 500 for an app that answered nothing is not the app's)."""
+        self.outcome = OUTCOME_BY_STATUS.get(self.status, "ok")
 
     def finish(self) -> None:
         """The request is over: the permit back (if still held) and the request counted, with
-        its latency, at one clock read.  No response counts as 500 (uvicorn answered 500, or
-        the client left)."""
+        its latency, at one clock read.  An outcome not set yet is judged from the status.  No
+        response counts as 500 (uvicorn answered 500, or the client left)."""
         edge = self.edge
         end = edge.clock()
         permit = self.permit
         if permit is not None:
             self.permit = None
-            edge.gate.release(end, permit, self.outcome)
+            outcome = self.outcome
+            if outcome is None:
+                outcome = OUTCOME_BY_STATUS.get(self.status, "ok")
+            edge.gate.release(end, permit, outcome)
         stats = edge.stats
         if stats is not None:
             stats.request_finished(self.status or 500, (end - self.t0) * 1000.0)

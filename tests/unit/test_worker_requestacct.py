@@ -64,9 +64,15 @@ class FakeEdge:
         return self.now
 
 
+def begun(edge: FakeEdge) -> RequestAcct:
+    acct = RequestAcct()
+    acct.begin(edge)  # type: ignore[arg-type]
+    return acct
+
+
 def test_counted_from_start_to_finish_with_latency_and_status() -> None:
     edge = FakeEdge()
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     assert edge.stats.inflight == 1
     assert acct.on_response_start(201) is False
     edge.now = 10.25
@@ -78,25 +84,24 @@ def test_counted_from_start_to_finish_with_latency_and_status() -> None:
 
 def test_no_response_counts_as_500() -> None:
     edge = FakeEdge()
-    RequestAcct(edge).finish()
+    begun(edge).finish()
     assert edge.stats.by_status == {500: 1}
 
 
 def test_without_stats_nothing_is_counted() -> None:
     edge = FakeEdge()
     edge.stats = None
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     acct.finish()   # no error, nothing to count
 
 
 def test_the_permit_is_held_then_released_once_with_the_outcome() -> None:
     edge = FakeEdge()
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     p = FakePermit(enqueued_at=9.9)
     assert acct.hold(p, edge.now, conn=object())
     assert edge.cpu.started_permits == [p]
     acct.on_response_start(503)
-    acct.judge()
     acct.finish()
     acct.finish()
     assert [(r[1], r[2]) for r in edge.gate.released] == [(p, "ignored")]
@@ -104,7 +109,7 @@ def test_the_permit_is_held_then_released_once_with_the_outcome() -> None:
 
 def test_a_request_whose_client_left_while_it_waited_is_not_run() -> None:
     edge = FakeEdge(client_left=True)
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     p = FakePermit(enqueued_at=edge.now - 1.0)   # waited past gone_after
     assert not acct.hold(p, edge.now, conn=object())
     assert edge.gate.gone == [p] and edge.cpu.started_permits == []
@@ -114,14 +119,14 @@ def test_a_request_whose_client_left_while_it_waited_is_not_run() -> None:
 
 def test_a_recent_request_or_one_without_a_connection_is_not_checked() -> None:
     edge = FakeEdge(client_left=True)
-    assert RequestAcct(edge).hold(FakePermit(enqueued_at=edge.now - 0.1), edge.now, conn=object())
-    assert RequestAcct(edge).hold(FakePermit(enqueued_at=edge.now - 9.0), edge.now, conn=None)
+    assert begun(edge).hold(FakePermit(enqueued_at=edge.now - 0.1), edge.now, conn=object())
+    assert begun(edge).hold(FakePermit(enqueued_at=edge.now - 9.0), edge.now, conn=None)
     assert edge.gate.gone == []
 
 
 def test_a_stream_gives_its_permit_back_at_its_first_chunk() -> None:
     edge = FakeEdge()
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     p = FakePermit()
     acct.hold(p, edge.now, conn=None)
     acct.streaming()
@@ -131,27 +136,25 @@ def test_a_stream_gives_its_permit_back_at_its_first_chunk() -> None:
 
 
 def test_connection_close_while_draining_or_shedding_when_configured() -> None:
-    assert RequestAcct(FakeEdge()).on_response_start(200) is False
+    assert begun(FakeEdge()).on_response_start(200) is False
     draining = FakeEdge()
     assert draining.stats is not None
     draining.stats.draining = True
-    assert RequestAcct(draining).on_response_start(200) is True
-    assert RequestAcct(FakeEdge(shedding=True)).on_response_start(200) is False
-    assert RequestAcct(FakeEdge(shedding=True, close_when_overloaded=True)).on_response_start(200) is True
+    assert begun(draining).on_response_start(200) is True
+    assert begun(FakeEdge(shedding=True)).on_response_start(200) is False
+    assert begun(FakeEdge(shedding=True, close_when_overloaded=True)).on_response_start(200) is True
 
 
-def _released_outcome(status: int, exc: BaseException | None = None, preset: str = "ok") -> str:
+def _released_outcome(status: int, exc: BaseException | None = None, preset: str | None = None) -> str:
     edge = FakeEdge()
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     acct.hold(FakePermit(), edge.now, conn=None)
     acct.outcome = preset
     if status:
         acct.on_response_start(status)
     if exc is not None:
         acct.failed(exc)
-    else:
-        acct.judge()
-    acct.finish()
+    acct.finish()   # (judged here from the status when nothing set the outcome)
     return edge.gate.released[0][2]
 
 
@@ -163,7 +166,7 @@ def test_the_outcome_from_the_status(status: int, outcome: str) -> None:
 
 def test_an_app_that_answered_nothing_is_judged_before_uvicorns_500() -> None:
     edge = FakeEdge()
-    acct = RequestAcct(edge)
+    acct = begun(edge)
     acct.hold(FakePermit(), edge.now, conn=None)
     acct.judge()                  # returned without a response
     acct.on_response_start(500)   # uvicorn's answer, after
