@@ -127,6 +127,23 @@ def test_the_cycle_sets_every_attribute_uvicorns_own_cycle_methods_read() -> Non
                        f"LeanCycle.__init__ does not set; re-check numaserve/worker/httpproto.py against this uvicorn")
 
 
+def test_the_cycles_request_accounting_names_are_not_uvicorns() -> None:
+    """LeanCycle is also a ``RequestAcct`` (numaserve/worker/requestacct.py): its slots and methods
+    share the cycle's namespace, so uvicorn's RequestResponseCycle must not use any of those names."""
+    from numaserve.worker.requestacct import RequestAcct
+
+    ours = set(RequestAcct.__slots__) | {n for n, f in vars(RequestAcct).items() if inspect.isfunction(f)}
+    used: set[str] = set(dir(RequestResponseCycle))
+    for fn in vars(RequestResponseCycle).values():
+        if inspect.isfunction(fn):
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                     and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    clash = sorted(ours & used)
+    assert not clash, (f"uvicorn's RequestResponseCycle now uses {clash}, names numaserve's RequestAcct gives "
+                       f"LeanCycle; rename them in numaserve/worker/requestacct.py")
+
+
 # --- the sniffing protocol (numaserve/worker/sniff.py) ------------------------------------------
 # SniffingProtocol is not a uvicorn subclass, but it stands where uvicorn expects its HTTP protocol:
 # uvicorn makes it per connection and calls ``shutdown()`` on it when draining; it makes uvicorn's
