@@ -187,7 +187,7 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
 
 def refusals_by_reason(data: dict[str, Any]) -> dict[str, int]:
     """Requests refused by admission, summed over the slots' lifetime totals, by reason, most first
-    (the gate's reasons: ``cpu``, ``stall`` from the sentinel, ``inflight_cap``, ``quota``, ...)."""
+    (the fixed set of ``numaserve.refusals``: ``cpu``, ``stalled``, ``limit``, ``quota``, ...)."""
     out: dict[str, int] = {}
     for s in data["slots"]:
         by = (s.get("totals") or {}).get("shed_by_reason") or {}
