@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import math
 import os
 import select
@@ -104,9 +105,11 @@ def tcp_wait_and_state(sock: Any) -> tuple[float, int] | None:
 _PHRASES = {503: b"Service Unavailable", 429: b"Too Many Requests", 504: b"Gateway Timeout"}
 
 
+@functools.lru_cache(maxsize=128)
 def refusal_response(status: int, reason: str, retry_after: int | None = None, *,
                      close: bool = True, head: bool = False) -> bytes:
-    """A complete HTTP/1.1 refusal (JSON body, Retry-After for 503/429, ``x-numaserve-refusal``).
+    """A complete HTTP/1.1 refusal (JSON body, Retry-After for 503/429, ``x-numaserve-refusal``),
+    built once per distinct answer (a few dozen: status × reason × Retry-After × close × HEAD).
 
     ``close``: say ``Connection: close`` (the caller closes after it); without it the
     connection stays usable for the client's next request.  ``head``: the request was a
