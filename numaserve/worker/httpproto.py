@@ -454,7 +454,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since: float | None = None
         self._ka_timer: asyncio.TimerHandle | None = None
         self._ns_reject: Any = None  # the gate's refusal of the current request, not answered yet
-        self._ns_keep = False       # ... answered in place, keeping the connection, once its body is in
+                                     # (kept while its body is parsed: answered in place at its end)
         self._ns_drop = False
         self._ns_deadline = False   # this request's head has an x-request-timeout
         self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
