@@ -244,6 +244,36 @@ def test_example_config_documents_every_option_with_its_default() -> None:
             assert commented, f"{sf.name}.{f.name} has no comment above it in {EXAMPLE}"
 
 
+def test_example_config_names_each_key_once_commented_out_with_a_short_comment() -> None:
+    """config/numaserve.toml: a one-line header per section, every key once as ``# key = default``
+    under one or two lines of comment (issue 33 item 5)."""
+    seen: list[str] = []
+    section = ""
+    block: list[str] = []
+    lines = EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = _SECTION_RE.match(line.strip())
+        if m and not line.startswith("#"):
+            section = m.group(1)
+            assert lines[i + 1].startswith("# ") and not lines[i + 2].strip(), f"[{section}]: one-line header"
+            block = []
+            continue
+        key = re.match(r"^# (\w+) = ", line)
+        if key and section and key.group(1) in {f.name for f in msgspec.structs.fields(
+                type(getattr(Config(), section)))}:
+            seen.append(f"{section}.{key.group(1)}")
+            assert 1 <= len(block) <= 2, f"{section}.{key.group(1)}: {len(block)} comment lines"
+            block = []
+        elif line.startswith("#"):
+            block.append(line)
+        elif not line.strip():
+            block = []
+        else:
+            raise AssertionError(f"line {i + 1} is live, not commented out: {line!r}")
+    schema = [f"{sf.name}.{f.name}" for sf in msgspec.structs.fields(Config) for f in msgspec.structs.fields(sf.type)]
+    assert sorted(seen) == sorted(schema)          # each key once, none missing, none unknown
+
+
 def test_example_config_has_no_unknown_options() -> None:
     documented = _documented(EXAMPLE.read_text())
     defaults = Config().to_dict()
