@@ -340,7 +340,7 @@ json_option = output_option
 @click.option("--slot", type=int, default=None, help="Slot to take out of service.")
 @click.option("--node", type=int, default=None, help="Every slot of this NUMA node.")
 @click.option("--drain-timeout", "drain_timeout", type=SECONDS, default=None,
-              help="Seconds in-flight and streaming requests get (default ops.drain_timeout).")
+              help="Seconds in-flight and streaming requests get (default server.graceful_timeout).")
 @wait_option
 @json_option
 def drain(target: Any, reply_timeout: float, slot: int | None, node: int | None, drain_timeout: float | None,
