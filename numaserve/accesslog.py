@@ -27,8 +27,12 @@ Fields (``server.access_log_format``; the same letters as gunicorn's):
 ``%({name}i)s``       request header ``name``; ``%({name}o)s`` response header
 ====================  ==========================================================
 
+A refusal (a response with ``x-numaserve-refusal``, ``numaserve.refusals``) gets
+`` refusal=<reason>`` appended to its line, whatever the format.
+
 The worker puts it outermost in its ASGI chain (``worker.edge.build_stack``), so
-the edge's own answers (503 when shedding, 413, 408) are logged too, and the
+the edge's own answers (503 when shedding, 413, 408) are logged too; the HTTP
+protocol's refusals before any ASGI call are written through ``log_answer``.  The
 duration runs from the request entering the chain (its head parsed; admitted
 already when the protocol decides admission, admission's wait included when
 the edge does) to its last response byte handed to the transport.
@@ -42,6 +46,8 @@ import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from numaserve.refusals import refusal_of
 
 __all__ = ["DEFAULT_FORMAT", "FIELDS", "AccessLogMiddleware", "compile_format"]
 
@@ -158,8 +164,23 @@ class AccessLogMiddleware:
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            record = (scope, status or 500, sent, headers, wall, time.perf_counter() - t0)
-            try:
-                self.logger.info(self.render(record))
-            except Exception:  # a log line must never fail a request
-                self.logger.exception("access_log_error")
+            self._write((scope, status or 500, sent, headers, wall, time.perf_counter() - t0))
+
+    def enabled(self) -> bool:
+        """Lines are written (the logger takes info)."""
+        return self.logger.isEnabledFor(logging.INFO)
+
+    def log_answer(self, scope: Any, status: int, sent: int, headers: list[tuple[bytes, bytes]],
+                   duration_s: float) -> None:
+        """The line of a request answered without an ASGI call (the HTTP protocol's refusals)."""
+        self._write((scope, status, sent, headers, time.time() - duration_s, duration_s))
+
+    def _write(self, record: Record) -> None:
+        try:
+            line = self.render(record)
+            reason = refusal_of(record[3])
+            if reason is not None:   # why this 503: whatever the format, the line says it
+                line += f" refusal={reason}"
+            self.logger.info(line)
+        except Exception:  # a log line must never fail a request
+            self.logger.exception("access_log_error")

@@ -9,7 +9,7 @@ way a client would:
   by the new worker's process tree (the kernel says who holds the accepted
   socket).  Protocol-agnostic; proves the server reached its accept loop.
 * ``"http:/path"``: the same, then ``GET /path`` must answer 2xx or 3xx
-  within ``probe_timeout`` (a health route that says 503 is not ready).
+  within ``cmdprobe.PROBE_TIMEOUT`` (2 s) (a health route that says 503 is not ready).
 * ``"alive"``: the old behaviour: alive for 1 s after exec.
 
 Pure: parsing and validation; the probing itself is ``supervisor.probe``.

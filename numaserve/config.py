@@ -29,7 +29,7 @@ from numaserve.cpulist import parse_node_spec
 from numaserve.errors import ConfigError
 from numaserve.retiredkeys import retired
 from numaserve.loops.admission import AdmissionSettings
-from numaserve.loops.leak import LeakSettings
+from numaserve.loops.leak import LeakConfig
 from numaserve.loops.supervisor_limits import LimitsSettings
 from numaserve.unixaddr import is_unix_bind, parse_mode, resolve_group, unix_path
 from numaserve.workerenv import check_env_config
@@ -109,12 +109,10 @@ class SupervisorConfig(_Section):
     abort_grace: float = 3.0
     backoff_initial: float = 0.1
     backoff_max: float = 30.0
-    backoff_jitter: float = 0.2
     backoff_reset_after: float = 60.0
     crash_loop_limit: int = 5
     crash_loop_window: float = 60.0
     failed_retry_interval: float = 300.0
-    unresponsive_after: float = 0.0
     verify_interval: float = 30.0
 
 
@@ -144,9 +142,6 @@ class OpsConfig(_Section):
     curve_secret_key: str = ""
     curve_authorized_keys: str = ""
     reload_parallel: int = 1
-    drain_timeout: float = 30.0
-    max_connections: int = 16
-    idle_timeout: float = 30.0
     rate_limit: float = 50.0
     rate_burst: int = 100
 
@@ -156,16 +151,11 @@ class AdminConfig(_Section):
 
     ``bind``: HOST:PORT of the admin HTTP endpoint; loopback by default (the
     metrics show the deployment's shape, keep them off public interfaces);
-    "" disables it, like ``enabled = false``.  Port 0 picks a free port
-    (shown in ``numaserve status`` as ``supervisor.admin``).
-    ``max_connections``: open connections at most; ``idle_timeout``: seconds
-    a connection may sit without a complete request.
+    "" disables it.  Port 0 picks a free port (shown in ``numaserve status``
+    as ``supervisor.admin``).
     """
 
-    enabled: bool = True
     bind: str = "127.0.0.1:9180"
-    max_connections: int = 64
-    idle_timeout: float = 5.0
 
 
 class IrqSettings(_Section):
@@ -219,7 +209,6 @@ class CacheConfig(_Section):
     ttl: float = 60.0
     max_entries: int = 10000
     max_bytes: int = 64 * 1024 * 1024
-    max_entry_bytes: int = 1024 * 1024
     deterministic_paths: list[str] = msgspec.field(default_factory=list)
     key_headers: list[str] = msgspec.field(default_factory=lambda: ["authorization", "accept"])
 
@@ -241,8 +230,6 @@ class CmdConfig(_Section):
     """The ``[cmd]`` config section (external ``server.cmd`` workers)."""
 
     ready: str = "tcp"
-    probe_timeout: float = 2.0
-    probe_interval: float = 0.25
     allow_host_port: bool = False
 
 
@@ -266,7 +253,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     irq: IrqSettings = msgspec.field(default_factory=IrqSettings)
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
-    leak: LeakSettings = msgspec.field(default_factory=LeakSettings)
+    leak: LeakConfig = msgspec.field(default_factory=LeakConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     framing: FramingConfig = msgspec.field(default_factory=FramingConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
@@ -290,23 +277,22 @@ def _field_types(section: str) -> dict[str, Any]:
 
 _POSITIVE = {
     ("framing", "max_frame_bytes"), ("framing", "max_pipeline"),
-    ("cache", "max_entries"), ("cache", "max_bytes"), ("cache", "max_entry_bytes"),
-    ("ops", "reload_parallel"), ("ops", "drain_timeout"), ("ops", "max_connections"), ("ops", "idle_timeout"),
-    ("ops", "rate_limit"), ("ops", "rate_burst"), ("admin", "max_connections"), ("admin", "idle_timeout"),
+    ("cache", "max_entries"), ("cache", "max_bytes"),
+    ("ops", "reload_parallel"), ("ops", "rate_limit"), ("ops", "rate_burst"),
     ("server", "backlog"), ("server", "max_header_bytes"), ("server", "max_body_bytes"),
     ("supervisor", "heartbeat_interval"), ("supervisor", "heartbeat_timeout"),
     ("supervisor", "backoff_initial"),
     ("supervisor", "backoff_max"), ("supervisor", "crash_loop_limit"),
     ("supervisor", "crash_loop_window"), ("supervisor", "stop_timeout"),
-    ("supervisor", "failed_retry_interval"), ("cmd", "probe_timeout"), ("cmd", "probe_interval"),
+    ("supervisor", "failed_retry_interval"),
     ("placement", "repair_hold"),
 }
 _NON_NEGATIVE = {
     ("framing", "idle_timeout"), ("cache", "ttl"), ("allocator", "malloc_arena_max"),
     ("server", "graceful_timeout"), ("server", "lb_grace"), ("server", "keepalive_timeout"), ("server", "max_connections"),
-    ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"), ("supervisor", "backoff_jitter"),
+    ("server", "read_timeout"), ("placement", "reserve_irq_cpus"), ("supervisor", "abort_grace"),
     ("supervisor", "backoff_reset_after"), ("supervisor", "verify_interval"),
-    ("supervisor", "unresponsive_after"), ("placement", "locality_interval"), ("supervisor", "ready_timeout"),
+    ("placement", "locality_interval"), ("supervisor", "ready_timeout"),
 }
 _NON_NEGATIVE |= {("worker", "max_requests"), ("worker", "max_requests_jitter"), ("worker", "max_lifetime")}
 _APP_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*(\(\))?$")
@@ -432,11 +418,6 @@ def _check_values(cfg: Config, origin: Mapping[tuple[str, str], str]) -> None:
     if cfg.supervisor.heartbeat_timeout <= cfg.supervisor.heartbeat_interval:
         raise bad("supervisor", "heartbeat_timeout", cfg.supervisor.heartbeat_timeout,
                   f"more than supervisor.heartbeat_interval ({cfg.supervisor.heartbeat_interval})")
-    sup = cfg.supervisor
-    if sup.unresponsive_after and not sup.heartbeat_interval < sup.unresponsive_after <= sup.heartbeat_timeout:
-        raise bad("supervisor", "unresponsive_after", sup.unresponsive_after,
-                  f"0 (auto: 2 heartbeat intervals) or more than supervisor.heartbeat_interval "
-                  f"({sup.heartbeat_interval}) and at most supervisor.heartbeat_timeout ({sup.heartbeat_timeout})")
     try:
         parse_ready(cfg.cmd.ready)
     except ValueError as e:

@@ -16,19 +16,21 @@ code   type              when                                          connectio
 431    header_too_large  request line + headers over                   closed
                          server.max_header_bytes
 429    rate_limited      supervisor rate quota empty (+ Retry-After)   kept
-503    overloaded        admission queue full / shed (+ Retry-After);  closed when the
-                         server.max_connections reached                protocol sheds a
-                                                                       request before the
-                                                                       app (cpu limiter,
-                                                                       sentinel) and at
+503    overloaded        admission queue full / shed (+ Retry-After);  kept when the
+                         server.max_connections reached                request's body was
+                                                                       read; closed when
+                                                                       not, by the
+                                                                       sentinel and at
                                                                        the connection
-                                                                       limit; kept from
-                                                                       the edge layer
+                                                                       limit
 504    timeout           deadline (x-request-timeout / frame           kept
                          ``timeout``) passed before the response
 500    internal          the app raised or returned no response        kept (frames), as
                                                                        uvicorn (HTTP)
 =====  ================  ============================================  =================
+
+Refusals (429, 503, 504) also name their reason in ``x-numaserve-refusal``
+(``numaserve.refusals``).
 
 Every error numaserve answers itself (the edge middleware, the HTTP
 protocol's own 400/408/431, the connection limit's 503, admission, frames)

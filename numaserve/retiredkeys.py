@@ -10,6 +10,8 @@ from __future__ import annotations
 _GRADIENT = ("the gradient/static limiters are gone: the CPU gate is the only worker limiter "
              "(docs/admission.md); delete the key")
 _GATE_CONSTANT = "now a fixed constant of the CPU gate (numaserve/loops/admission.py); delete the key"
+_LEAK_TUNING = ("now fixed (the detector's tuning, numaserve.loops.leak.LeakSettings): set leak.enabled, "
+                "leak.threshold_bytes_per_1000, leak.window_requests, leak.budget_bytes or the caps instead")
 _LIMITS_CONSTANT = "now a fixed constant of the limits loop (numaserve/loops/supervisor_limits.py); delete the key"
 
 RETIRED: dict[str, str] = {
@@ -63,6 +65,32 @@ RETIRED: dict[str, str] = {
     "limits.vegas_decrease": _LIMITS_CONSTANT,
     "limits.vegas_rebase_s": _LIMITS_CONSTANT,
     "limits.vegas_app_limited_ratio": _LIMITS_CONSTANT,
+    # issue 33 item 5: keys nobody set become fixed constants where they are used
+    **{f"leak.{k}": _LEAK_TUNING
+       for k in ("grace_requests", "grace_seconds", "step_requests", "min_points", "max_points", "median_width",
+                 "ci_lower_bytes_per_1000", "p_value", "flattening_ratio", "quarter_fraction",
+                 "quarters_required", "time_axis", "time_window_s", "time_step_s", "time_min_span_s",
+                 "time_horizon_s", "time_min_bytes_per_hour", "persistence", "eval_every_requests",
+                 "eval_every_seconds", "trim_before_verdict", "trim_reclaim_fraction", "soft_cap_samples",
+                 "cap_metric", "use_uss", "recycle_spacing_s", "recycle_worker_min_s", "recycle_per_hour",
+                 "recycle_anyway_bytes", "overload_shed_fraction", "uss_interval_s")},
+    "leak.budget_memtotal_fraction": "now fixed at 0.8 of MemTotal shared by the workers: "
+                                     "set leak.budget_bytes for another per-worker budget",
+    "supervisor.backoff_jitter": "now fixed at ±20 % of the delay (slots that crashed together do not "
+                                 "restart in step); delete the key",
+    "supervisor.unresponsive_after": "now always 2 heartbeat intervals (at most supervisor.heartbeat_timeout): "
+                                     "set supervisor.heartbeat_interval",
+    "ops.drain_timeout": "use server.graceful_timeout (one drain time for stop, restart, reload and "
+                         "recycles); `--drain-timeout` still sets it per operation",
+    "ops.max_connections": "now fixed at 16 ops clients at once per socket (lowered to fit the fd limit)",
+    "ops.idle_timeout": "now fixed at 30 s for an idle ops connection",
+    "admin.enabled": 'set admin.bind = "" to disable the admin endpoint',
+    "admin.max_connections": "now fixed at 64 admin HTTP connections (lowered to fit the fd limit)",
+    "admin.idle_timeout": "now fixed at 5 s for an admin connection without a complete request",
+    "cmd.probe_timeout": "now fixed at 2 s per readiness probe (the next probe asks again)",
+    "cmd.probe_interval": "now fixed at 0.25 s between readiness probes",
+    "cache.max_entry_bytes": "now fixed at 1 MiB (and never more than cache.max_bytes); larger responses "
+                             "pass through uncached",
 }
 
 

@@ -187,7 +187,7 @@ def status_lines(data: dict[str, Any], width: int) -> list[str]:
 
 def refusals_by_reason(data: dict[str, Any]) -> dict[str, int]:
     """Requests refused by admission, summed over the slots' lifetime totals, by reason, most first
-    (the gate's reasons: ``cpu``, ``stall`` from the sentinel, ``inflight_cap``, ``quota``, ...)."""
+    (the fixed set of ``numaserve.refusals``: ``cpu``, ``stalled``, ``limit``, ``quota``, ...)."""
     out: dict[str, int] = {}
     for s in data["slots"]:
         by = (s.get("totals") or {}).get("shed_by_reason") or {}
@@ -340,7 +340,7 @@ json_option = output_option
 @click.option("--slot", type=int, default=None, help="Slot to take out of service.")
 @click.option("--node", type=int, default=None, help="Every slot of this NUMA node.")
 @click.option("--drain-timeout", "drain_timeout", type=SECONDS, default=None,
-              help="Seconds in-flight and streaming requests get (default ops.drain_timeout).")
+              help="Seconds in-flight and streaming requests get (default server.graceful_timeout).")
 @wait_option
 @json_option
 def drain(target: Any, reply_timeout: float, slot: int | None, node: int | None, drain_timeout: float | None,

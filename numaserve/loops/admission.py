@@ -223,4 +223,4 @@ class Reject:
 
     status: int           # 429, 503, 504
     retry_after: int | None
-    reason: str           # quota, deadline, inflight_cap, overload, ... (numaserve.loops.cpu_gate)
+    reason: str           # one of numaserve.refusals.REFUSAL_REASONS (cpu, limit, quota, deadline)

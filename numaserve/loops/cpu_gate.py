@@ -57,6 +57,7 @@ from numaserve.loops.admission import (
     Reject,
     _Rate,
 )
+from numaserve.refusals import REFUSAL_STATUS
 
 __all__ = ["CpuGate", "CpuGateStats", "CpuPermit", "LagTracker"]
 
@@ -225,7 +226,7 @@ class CpuGateStats(msgspec.Struct, kw_only=True):
     status_500: int
     status_503: int
     status_504: int
-    shed: dict[str, int]            # by reason: cpu, stall (sentinel), inflight_cap, limit_zero, quota, deadline
+    shed: dict[str, int]            # by reason (numaserve.refusals): cpu, stalled, limit, quota, deadline, connections
     client_gone: int                # not run: the client had left before the request started
     codel_overloaded: bool          # the same as "overloaded" (the field the limits loop reads)
     short_of_cpu: bool
@@ -384,7 +385,7 @@ class CpuGate:
         if self._capped:
             cap = self.limit(now)
             if cap is not None and self.inflight >= cap:
-                return self._reject(now, 503, "limit_zero" if cap <= 0 else "inflight_cap",
+                return self._reject(now, 503, "limit",
                                     retry_after=self._overload_retry(now))
         self._arrivals += 1
         lag = self.lag
@@ -513,8 +514,14 @@ class CpuGate:
         """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""
         if n > 0:
             self._c["503"] += n
-            self._shed["stall"] = self._shed.get("stall", 0) + n
+            self._shed["stalled"] = self._shed.get("stalled", 0) + n
             self._last_shed = max(self._last_shed, now)
+
+    def count_refusal(self, reason: str) -> None:
+        """A refusal decided outside the gate (``connections``: ``server.max_connections``), counted
+        with the gate's own so status and metrics show every reason of ``numaserve.refusals``."""
+        self._c[str(REFUSAL_STATUS[reason])] += 1
+        self._shed[reason] = self._shed.get(reason, 0) + 1
 
     def note_shed(self, now: float) -> None:
         """A shed seen outside this gate (a sentinel thread): keeps ``shedding`` on."""

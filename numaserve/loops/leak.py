@@ -21,14 +21,17 @@ from typing import Literal
 
 import msgspec
 
+from numaserve.loops.checks import SettingError, fraction, ordered
 from numaserve.loops.trend import median, median_filter, theil_sen, theil_sen_slope
 
 __all__ = [
     "Evidence",
     "LeakDetector",
+    "LeakConfig",
     "LeakSettings",
     "Trend",
     "Verdict",
+    "detector_settings",
     "resolve_budget",
 ]
 
@@ -39,8 +42,46 @@ Metric = Literal["rss", "uss"]
 Axis = Literal["requests", "seconds"]
 
 
+#: Smallest ``leak.window_requests``: over fewer requests a few large responses move RSS more than a
+#: leak does (10 points of 50 requests; the fit still takes ``min_points`` points however short the window).
+MIN_WINDOW_REQUESTS = 500
+
+
+class LeakConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``[leak]`` config section: what an operator decides.
+
+    Whether to recycle leaking workers at all, the slope that counts as a leak
+    and the requests it is fitted over, and the memory a worker may use (the
+    budget, and the soft/hard caps as shares of it).  How the slope is fitted
+    and judged, and how recycles are paced, is fixed in ``LeakSettings``.
+    """
+
+    enabled: bool = True
+    threshold_bytes_per_1000: int = 10 * MiB   # growth per 1000 requests that flags a leak
+    window_requests: int = 5000    # the slope is fitted over the last this many requests
+    budget_bytes: int = 0          # 0: MemTotal × 0.8 / workers
+    soft_cap: float = 0.80         # graceful recycle at this share of the budget
+    hard_cap: float = 0.95         # SIGKILL at this share of the budget
+
+    def __post_init__(self) -> None:
+        if self.threshold_bytes_per_1000 < 1:
+            raise SettingError("threshold_bytes_per_1000", self.threshold_bytes_per_1000, "an integer >= 1 (bytes)")
+        if self.window_requests < MIN_WINDOW_REQUESTS:
+            raise SettingError("window_requests", self.window_requests,
+                               f"an integer >= {MIN_WINDOW_REQUESTS} (the fit needs points to judge)")
+        if self.budget_bytes < 0:
+            raise SettingError("budget_bytes", self.budget_bytes, "an integer >= 0 (0: MemTotal × 0.8 / workers)")
+        fraction(self, "soft_cap", "hard_cap", low_open=True)
+        ordered(self, "soft_cap", "hard_cap")
+
+
 class LeakSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``[leak]`` config section.  Defaults follow FACTS-limits-leaks §10."""
+    """Every number the detector and the leak watch use; not config keys.
+
+    The defaults are the fixed tuning (FACTS-limits-leaks §10); ``[leak]``
+    (``LeakConfig``) sets ``enabled``, ``budget_bytes`` and the caps through
+    ``detector_settings``.  Tests pass a scaled-down copy.
+    """
 
     enabled: bool = True
     # Grace: no trend verdict before both are reached (warm-up, lazy imports, caches).
@@ -107,6 +148,23 @@ class LeakSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("quarters_required must be in 1..4")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+#: The fixed tuning the supervisor runs with (tests replace it with a scaled-down copy).
+DETECTOR = LeakSettings()
+
+
+def detector_settings(cfg: LeakConfig, base: LeakSettings | None = None) -> LeakSettings:
+    """The detector's settings: the fixed tuning (``DETECTOR``) with the operator's ``[leak]`` keys.
+
+    The slope's confidence bound follows the threshold (half of it, as the
+    defaults: 5 MiB for 10 MiB) so a lower threshold is not held back by it.
+    """
+    return msgspec.structs.replace(
+        DETECTOR if base is None else base, enabled=cfg.enabled,
+        threshold_bytes_per_1000=cfg.threshold_bytes_per_1000, ci_lower_bytes_per_1000=cfg.threshold_bytes_per_1000 // 2,
+        window_requests=cfg.window_requests, budget_bytes=cfg.budget_bytes, soft_cap=cfg.soft_cap,
+        hard_cap=cfg.hard_cap)
 
 
 def resolve_budget(settings: LeakSettings, mem_total_bytes: int, workers: int) -> int:

@@ -23,10 +23,10 @@ prober should see.
 * ``/metrics`` — Prometheus text from a registry holding only our collector.
 
 Any local user can connect, so every connection is bounded
-(``ConnectionGuard``): at most ``[admin] max_connections`` (lowered to fit
+(``ConnectionGuard``): at most ``ADMIN_MAX_CONNECTIONS`` (64, lowered to fit
 the fd budget); at the cap the oldest idle connection is closed to admit the
 new one, and when none is idle the new one is closed at once; a request's
-headers must arrive within ``idle_timeout`` of the connection (or of the
+headers must arrive within ``ADMIN_IDLE_TIMEOUT`` (5 s) of the connection (or of the
 previous response) and a kept-alive connection is closed after as long idle.
 Without this, idle connections were never closed and filled the
 supervisor's fd table (then libzmq aborts it: see ``fdbudget``).
@@ -53,6 +53,7 @@ from numaserve.errors import NumaserveError
 # the config; prometheus_client and the collector at the first /metrics request.
 
 __all__ = [
+    "ADMIN_MAX_CONNECTIONS",
     "AdminConfig",
     "AdminHandle",
     "LoopHeartbeat",
@@ -65,6 +66,11 @@ log = structlog.get_logger("numaserve.admin")
 
 #: Connections accepted per readiness event (and the listen backlog): the fd budget counts them.
 ACCEPT_BATCH = 16
+
+#: Open admin HTTP connections at most (a scraper, a load balancer's checks and a few curls), and the
+#: seconds one may sit without a complete request: the fd budget counts them, slow clients must not pin them.
+ADMIN_MAX_CONNECTIONS = 64
+ADMIN_IDLE_TIMEOUT = 5.0
 
 #: The supervision loop ticks at least every 0.2 s; 5 s without a tick is never normal.
 HEARTBEAT_STALE_S = 5.0
@@ -242,7 +248,7 @@ def open_admin_socket(cfg: AdminConfig) -> socket.socket | None:
     """
     from numaserve.config import parse_bind
 
-    if not cfg.enabled or not cfg.bind:
+    if not cfg.bind:
         return None
     try:
         host, port = parse_bind(cfg.bind)
@@ -314,7 +320,7 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
 
     ``sock`` is the socket from ``open_admin_socket`` (bound early); without it
     one is bound here.  ``heartbeat`` defaults to ``sup.heartbeat``.
-    ``max_connections``: the cap from the fd budget (default ``cfg.max_connections``).
+    ``max_connections``: the cap from the fd budget (default ``ADMIN_MAX_CONNECTIONS``).
     """
     if sock is None:
         sock = open_admin_socket(cfg)
@@ -327,7 +333,7 @@ async def start_admin(sup: SupervisorView, cfg: AdminConfig, *, sock: socket.soc
     from numaserve.supervisor.adminhttp import AdminHTTPServer
 
     app = build_app(sup, hb, stale_after=stale_after, cpu_node=cpu_node)
-    guard = ConnectionGuard(cfg.max_connections if max_connections is None else max_connections, cfg.idle_timeout)
+    guard = ConnectionGuard(ADMIN_MAX_CONNECTIONS if max_connections is None else max_connections, ADMIN_IDLE_TIMEOUT)
     server = AdminHTTPServer(app, guard, backlog=ACCEPT_BATCH, graceful_s=2.0)
     task = asyncio.get_running_loop().create_task(server.serve(sock), name="admin-http")
     deadline = time.monotonic() + 5.0

@@ -108,7 +108,6 @@ class Supervisor:
         policy = RestartPolicy(
             initial=sup.backoff_initial,
             maximum=sup.backoff_max,
-            jitter=sup.backoff_jitter,
             reset_after=sup.backoff_reset_after,
             loop_limit=sup.crash_loop_limit,
             loop_window=sup.crash_loop_window,

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 class RestartPolicy:
     initial: float = 0.5
     maximum: float = 30.0
-    jitter: float = 0.2          # ±fraction of the delay
+    # ±fraction of the delay, fixed (not a config key): slots that crashed together do not restart in step
+    jitter: float = 0.2
     reset_after: float = 60.0    # a worker up this long resets the backoff
     loop_limit: int = 5          # this many crashes ...
     loop_window: float = 60.0    # ... within this many seconds = crash loop

@@ -18,6 +18,12 @@ from numaserve.supervisor.probe import probe_slot, process_tree
 from numaserve.supervisor.slottable import SlotTable
 from numaserve.supervisor.steer import Steering
 
+#: Seconds one readiness probe may take (connect, or a health request's answer): a local
+#: server that has not answered in 2 s is not ready yet; the next probe asks again.
+PROBE_TIMEOUT = 2.0
+#: Seconds between probes of a loading server: ready within a quarter second of listening.
+PROBE_INTERVAL = 0.25
+
 __all__ = ["ExternalReadiness"]
 
 log = structlog.get_logger("numaserve.supervisor")
@@ -51,11 +57,10 @@ class ExternalReadiness:
         steering = self.steering()
         assert steering is not None
         lst = self.listeners().by_slot[slot.plan.slot][0]
-        c = self.table.cfg.cmd
         try:
             while w.ready is None and w.popen.poll() is None and not self.table.stopping:
                 res = await probe_slot(steering, lst, slot.plan.slot, lambda: process_tree(w.pid), spec,
-                                       c.probe_timeout)
+                                       PROBE_TIMEOUT)
                 if res.note != w.probe_note:
                     log.debug("probe", slot=slot.plan.slot, pid=w.pid, ok=res.ok, note=res.note)
                 w.probe_note = res.note
@@ -65,7 +70,7 @@ class ExternalReadiness:
                     self.table.on_ready(slot, w, now)
                     self.table.wake.set()
                     return
-                await asyncio.sleep(c.probe_interval)
+                await asyncio.sleep(PROBE_INTERVAL)
         finally:
             self.tasks.pop(id(w), None)
 

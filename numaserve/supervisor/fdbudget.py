@@ -275,8 +275,7 @@ class FdWatch:
         if not self.pressure and n >= self.limit - self.reserve // 2:
             self.pressure = True
             log.error("fd_pressure", open_fds=n, limit=self.limit, held_by=self._diagnose(),
-                      fix="raise LimitNOFILE= (systemd) / ulimit -n, or lower the connection caps "
-                          "([admin] max_connections, [ops] max_connections)")
+                      fix="raise LimitNOFILE= (systemd) / ulimit -n (the admin and ops connection caps are fixed)")
         elif self.pressure and n < self.limit - self.reserve:
             self.pressure = False
             log.info("fd_pressure_over", open_fds=n, limit=self.limit)

@@ -44,6 +44,11 @@ _QUIET_FOR_EVICTION = 1.0    # a connection quiet this long may be closed to adm
 _WARN_EVERY = 10.0
 ACCEPT_BATCH = 8
 
+#: Ops clients at once per door (each also costs a backend socket and libzmq's side: 3 fds) and the
+#: seconds an ops connection may stay idle: operators and scripts, not a crowd.
+OPS_MAX_CONNECTIONS = 16
+OPS_IDLE_TIMEOUT = 30.0
+
 
 def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` (HOST ``*`` = every address, ``[v6]`` for IPv6) → (host, port)."""

@@ -2,7 +2,7 @@
 and recycle leaking workers through the readiness-gated rolling path.
 
 Per worker: RSS (``/proc/PID/statm``) every tick (~1 s) and USS/PSS
-(``/proc/PID/smaps_rollup``) every ``leak.uss_interval_s`` while RSS moves
+(``/proc/PID/smaps_rollup``) every ``uss_interval_s`` (10 s, ``LeakSettings``) while RSS moves
 (every 6 intervals while it is flat), with the worker's
 request count from its Stats, go to a ``LeakDetector`` (robust slope,
 significance, persistence, no plateau).  A ``suspect`` verdict first asks the
@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from numaserve.loops.leak import LeakDetector, Verdict, resolve_budget
+from numaserve.loops.leak import LeakDetector, LeakSettings, Verdict, detector_settings, resolve_budget
 
 from numaserve.supervisor.operations import Operations
 from numaserve.supervisor.slotcontrol import SlotControl, WorkerChannel
@@ -137,9 +137,11 @@ def recycle_deferral(s: Any, *, now: float, node: int, times: deque[float], last
 
 
 class LeakWatch:
-    def __init__(self, ctl: SlotControl, channel: WorkerChannel, operations: Operations) -> None:
+    def __init__(self, ctl: SlotControl, channel: WorkerChannel, operations: Operations,
+                 tuning: LeakSettings | None = None) -> None:
         self.ctl = ctl
         self.channel = channel
+        self.tuning = tuning           # None: the fixed tuning (numaserve.loops.leak.DETECTOR)
         self.operations = operations   # a recycle is a tracked replace_slot operation
         self.watched: dict[int, Watched] = {}       # slot -> current worker's detector
         self.recycles: dict[int, deque[float]] = {}  # node -> recycle times (last hour)
@@ -150,8 +152,9 @@ class LeakWatch:
         self.budget = 0
 
     @property
-    def settings(self) -> Any:
-        return self.ctl.cfg.leak
+    def settings(self) -> LeakSettings:
+        """The fixed tuning with the ``[leak]`` keys of the config in force (a reload may change them)."""
+        return detector_settings(self.ctl.cfg.leak, self.tuning)
 
     def _budget(self) -> int:
         if not self.budget:

@@ -333,7 +333,7 @@ class Lifecycle(SlotTable):
 
     def unresponsive_after(self) -> float:
         sup = self.cfg.supervisor
-        return sup.unresponsive_after or min(2.0 * sup.heartbeat_interval, sup.heartbeat_timeout)
+        return min(2.0 * sup.heartbeat_interval, sup.heartbeat_timeout)
 
     def _responsiveness(self, slot: S.SlotState, w: S.WorkerProc, now: float) -> None:
         """A serving worker that misses heartbeats leaves steering at once; the

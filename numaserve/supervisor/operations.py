@@ -142,7 +142,7 @@ class Operations:
     async def recycle(self, op: Operation, slot: S.SlotState, reason: str) -> str:
         """Replace one slot's worker for ``reason`` (a leak, an age limit, poor locality)."""
         self.ctl.note_restart_reason(slot, reason)
-        await self.replace_slot(op, slot, self.ctl.cfg.ops.drain_timeout)
+        await self.replace_slot(op, slot, self.ctl.cfg.server.graceful_timeout)
         return f"slot {slot.plan.slot} recycled ({reason})"
 
     async def replace_slot(self, op: Operation, slot: S.SlotState, timeout: float) -> None:

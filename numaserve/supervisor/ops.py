@@ -136,7 +136,7 @@ def _op_reply(op: Any) -> dict[str, Any]:
 @verb("drain", mutating=True)
 async def _drain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
-    timeout = arg_float(args, "timeout", sup.table.cfg.ops.drain_timeout)
+    timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
     op = sup.operations.start("drain", args, [s.plan.slot for s in slots],
                               lambda op: sup.operations.drain_slots(op, slots, timeout))
     return _op_reply(op)
@@ -153,7 +153,7 @@ async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
 @verb("restart", mutating=True)
 async def _restart(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
-    timeout = arg_float(args, "timeout", sup.table.cfg.ops.drain_timeout)
+    timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
     op = sup.operations.start(
         "restart", args, [s.plan.slot for s in slots],
         lambda op: sup.operations.roll(op, slots, timeout, sup.table.cfg.ops.reload_parallel),

@@ -32,12 +32,12 @@ from numaserve.runtime import (
 from numaserve.errors import NumaserveError
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import fdbudget
-from numaserve.supervisor.admin import AdminHandle, LoopHeartbeat, SupervisorView, open_admin_socket, start_admin
+from numaserve.supervisor.admin import ADMIN_MAX_CONNECTIONS, AdminHandle, LoopHeartbeat, SupervisorView, open_admin_socket, start_admin
 from numaserve.supervisor.channel import WorkerChannel
 from numaserve.supervisor.curvekeys import AuthorizedKeys
 from numaserve.supervisor.doorpeers import DoorPeers
 from numaserve.supervisor.events import EventStream
-from numaserve.supervisor.frontdoor import FrontDoor, bind_tcp, bind_unix
+from numaserve.supervisor.frontdoor import OPS_IDLE_TIMEOUT, OPS_MAX_CONNECTIONS, FrontDoor, bind_tcp, bind_unix
 from numaserve.supervisor.opsapi import OpsTarget
 from numaserve.supervisor.opstcp import bind_curve_router
 from numaserve.supervisor.ratelimit import PeerRateLimiter
@@ -113,11 +113,11 @@ class OpsPlane:
     def _plan_fds(self, cfg: Config, limit: int, slots: int, ro_sock: socket.socket, events_sock: socket.socket,
                   tcp_sock: socket.socket | None) -> None:
         """Connection caps that fit under the fd limit; the front doors around ops-ro, events and ops-tcp."""
-        wanted = {"admin": (cfg.admin.max_connections if self.admin_sock is not None else 0, 1),
-                  "ops-ro": (cfg.ops.max_connections, 3),  # client + splice + libzmq's side
-                  "events": (cfg.ops.max_connections, 3)}
+        wanted = {"admin": (ADMIN_MAX_CONNECTIONS if self.admin_sock is not None else 0, 1),
+                  "ops-ro": (OPS_MAX_CONNECTIONS, 3),  # client + splice + libzmq's side
+                  "events": (OPS_MAX_CONNECTIONS, 3)}
         if tcp_sock is not None:
-            wanted["ops-tcp"] = (cfg.ops.max_connections, 3)
+            wanted["ops-tcp"] = (OPS_MAX_CONNECTIONS, 3)
         baseline = fdbudget.count_open_fds() or 0
         plan = fdbudget.plan_caps(limit, baseline, slots, wanted)
         self.fd_caps = plan
@@ -125,7 +125,7 @@ class OpsPlane:
             log.warning("fd_budget_tight", limit=limit, baseline=baseline, caps=plan.caps, wanted=plan.wanted,
                         fix="raise LimitNOFILE= (systemd) / ulimit -n: connection caps were lowered to fit")
         self.fdwatch = fdbudget.FdWatch(limit=limit)
-        idle = cfg.ops.idle_timeout
+        idle = OPS_IDLE_TIMEOUT
         path = self.runtime.path
         self.doors.append(FrontDoor("ops-ro", ro_sock, str(path / OPS_RO_BACKEND),
                                     max_connections=plan.caps["ops-ro"], idle_timeout=idle, peers=self.door_peers))
@@ -170,11 +170,8 @@ class OpsPlane:
         return not any(t.done() for t in self.tasks)
 
     def reconfigure(self, cfg: Config) -> None:
-        """A reload: rate limits and idle timeouts follow the new config (sockets stay)."""
+        """A reload: the per-peer rate limit follows the new config (sockets stay)."""
         self.ops_limiter.rate, self.ops_limiter.burst = cfg.ops.rate_limit, float(cfg.ops.rate_burst)
-        for door in self.doors:
-            if door.idle_timeout is not None:
-                door.idle_timeout = cfg.ops.idle_timeout
 
     def reload_curve_keys(self) -> None:
         """Re-read ``ops.curve_authorized_keys`` (reload, SIGHUP).  A removed key is refused for new

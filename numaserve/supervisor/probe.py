@@ -10,7 +10,7 @@ replacement the old worker accepts from the same socket, and its answer must
 not make the new one look ready.
 
 ``cmd.ready = "http:/path"`` then sends ``GET /path`` on the accepted
-connection and wants a 2xx or 3xx status within ``cmd.probe_timeout``.
+connection and wants a 2xx or 3xx status within ``cmdprobe.PROBE_TIMEOUT`` (2 s).
 """
 
 from __future__ import annotations

@@ -71,15 +71,13 @@ def reload_blockers(old: Config, old_plan: Plan, new: Config, new_plan: Plan) ->
     b = [(s.slot, s.node, s.cpus, s.mempolicy, s.memory_nodes) for s in new_plan.slots]
     if a != b:
         out.append("the placement plan changed (nodes, workers per node, CPUs or memory policy)")
-    if old.admin != new.admin:
-        changed = [k for k in ("enabled", "bind", "max_connections", "idle_timeout")
-                   if getattr(old.admin, k) != getattr(new.admin, k)]
-        out.append("admin." + ", admin.".join(changed) + " changed")
+    if old.admin.bind != new.admin.bind:
+        out.append("admin.bind changed")
     if old.supervisor.runtime_dir != new.supervisor.runtime_dir:
         out.append("supervisor.runtime_dir changed")
     if old.ops != new.ops:
         changed = [k for k in ("readonly_group", "audit_log", "tcp_endpoint", "curve_secret_key",
-                               "curve_authorized_keys", "max_connections")
+                               "curve_authorized_keys")
                    if getattr(old.ops, k) != getattr(new.ops, k)]
         if changed:
             out.append("ops." + ", ops.".join(changed) + " changed")
@@ -145,7 +143,7 @@ class Reloader:
         # a revoked key must stop working even when the rest of the reload is refused
         self.plane.reload_curve_keys()
         new_cfg, topo, _ = load_for_reload(self.config_path, self.overrides, self.table.cfg, self.plan)
-        timeout = new_cfg.ops.drain_timeout if timeout_arg is None else timeout_arg
+        timeout = new_cfg.server.graceful_timeout if timeout_arg is None else timeout_arg
         slots = list(self.table.slots.values())
 
         async def body(op: Operation) -> str:

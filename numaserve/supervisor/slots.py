@@ -10,6 +10,7 @@ from typing import Any, Iterator
 from numaserve.control.messages import Placement, Stats
 from numaserve.bind.placement import SlotPlan
 from numaserve.supervisor.backoff import RestartState
+from numaserve.refusals import public_reason
 from numaserve.supervisor.loadwatch import LoadProgress
 from numaserve.supervisor.workerproc import WorkerProcess
 
@@ -46,7 +47,8 @@ class Totals:
         self.shed += int(stats.shed or 0)
         gate = stats.extra.get("admission") if isinstance(stats.extra, dict) else None
         if isinstance(gate, dict) and isinstance(gate.get("shed"), dict):
-            for k, v in gate["shed"].items():
+            for k, v in gate["shed"].items():   # (a worker of an older release: its names mapped)
+                k = public_reason(str(k))
                 self.shed_by_reason[k] = self.shed_by_reason.get(k, 0) + int(v)
         if isinstance(stats.extra, dict):
             for k in ("local", "remote", "unknown"):

@@ -52,7 +52,7 @@ SPILL_HOLD_S = 30.0
 #: A hot worker that stalled (its sentinel answered for it) is left out of the set this long.
 AVOID_S = 30.0
 #: Refusals that more workers would have avoided (quota and deadline refusals would not).
-SPILL_REASONS = ("cpu", "stall", "inflight_cap")
+SPILL_REASONS = ("cpu", "stalled", "limit")
 #: A hot worker holding this share of ``server.max_connections`` spills its node's set.
 FULL_SHARE = 0.9
 

@@ -36,6 +36,9 @@ __all__ = ["CacheConfig", "CacheEntry", "CacheMiddleware", "ResponseCache", "fin
 
 
 CACHE_HEADER = b"x-numaserve-cache"
+#: Largest response body stored (bytes; also never more than ``cache.max_bytes``): a cache of small
+#: deterministic answers, a big one would evict hundreds of them; larger responses pass through.
+MAX_ENTRY_BYTES = 1024 * 1024
 
 
 class CacheEntry(msgspec.Struct):
@@ -97,7 +100,7 @@ class ResponseCache:
         """Store unless too big or the cache changed since ``epoch`` (``token()``); evicts LRU."""
         if epoch is not None and epoch != self.token():
             return False
-        if entry.size > min(self.cfg.max_entry_bytes, self.cfg.max_bytes) or self.cfg.max_entries <= 0:
+        if entry.size > min(MAX_ENTRY_BYTES, self.cfg.max_bytes) or self.cfg.max_entries <= 0:
             return False
         if key in self._entries:
             self._drop(key)
@@ -240,7 +243,7 @@ class CacheMiddleware:
     async def _miss(self, scope: Scope, receive: Receive, send: Send, key: bytes) -> None:
         cache = self.cache
         token = cache.token()
-        limit = cache.cfg.max_entry_bytes
+        limit = min(MAX_ENTRY_BYTES, cache.cfg.max_bytes)
         status = 0
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []

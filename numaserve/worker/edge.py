@@ -44,6 +44,7 @@ from typing import Any
 
 from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.cpu_gate import CpuPermit
+from numaserve.refusals import refusal_header
 from numaserve.worker.appload import describe_exception
 from numaserve.worker.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from numaserve.worker.requestacct import RequestAcct
@@ -176,12 +177,15 @@ class _Exchange(RequestAcct):
         return {"type": "http.disconnect"}
 
     async def answer(self, status: int, message: str, *, retry_after: int | None = None,
-                     close: bool = False) -> None:
-        """An error the edge sends instead of the app (admission refusal, deadline)."""
+                     close: bool = False, reason: str | None = None) -> None:
+        """An error the edge sends instead of the app (admission refusal, deadline); ``reason``:
+        the refusal's, of ``numaserve.refusals`` (the ``x-numaserve-refusal`` header)."""
         self.started = True
         self.status = status
         body = error_body(status, message)
         headers = error_headers(status, body, retry_after or 1)
+        if reason is not None:
+            headers.append(refusal_header(reason))
         if close:
             headers.append(_CLOSE)
         await self.raw_send({"type": "http.response.start", "status": status, "headers": headers})
@@ -267,7 +271,8 @@ class Edge:
                     self.rejected[d.status] = self.rejected.get(d.status, 0) + 1
                     # no Connection: close: on a frame connection it would end every request
                     # multiplexed on it; uvicorn's h11 keeps the connection usable after a 503
-                    await ex.answer(d.status, f"request not admitted: {d.reason}", retry_after=d.retry_after)
+                    await ex.answer(d.status, f"request not admitted: {d.reason}", retry_after=d.retry_after,
+                                    reason=d.reason)
                     return
                 permit = d
                 d.task = asyncio.current_task()   # its owner (numaserve.worker.permits)
@@ -304,7 +309,7 @@ class Edge:
                         raise
                     ex.outcome = "dropped"
                     if not ex.started:
-                        await ex.answer(504, "deadline passed while the request ran")
+                        await ex.answer(504, "deadline passed while the request ran", reason="deadline")
                         return
                     raise
         except BaseException as e:

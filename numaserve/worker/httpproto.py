@@ -16,9 +16,15 @@ subclasses, each calling ``super()``:
 * **admission** — with the "cpu" limiter (``numaserve.worker.shedding``)
   the request is decided when its head is complete, before any task
   exists: a refused request costs no task, no ASGI call and is answered
-  (503 + Retry-After + ``Connection: close``) in the same loop iteration
-  its bytes were read.  When the loop was late, ``TCP_INFO`` back-dates
-  the arrival and a ``CLOSE_WAIT`` client is not run at all;
+  (503/429/504 + Retry-After + ``x-numaserve-refusal``, ``numaserve.
+  refusals``) in the same loop iteration its bytes were read.  A refused
+  request whose body is in that read (a GET, a small POST) keeps its
+  connection (cheap refusals: the client's next request needs no new TCP
+  connection); it closes when the body is not in, the client or HTTP/1.0
+  closes, the worker drains, ``admission.close_when_overloaded`` says so
+  while shedding, or the client does not read its answers.  When the loop
+  was late, ``TCP_INFO`` back-dates the arrival and a ``CLOSE_WAIT`` client
+  is not run at all;
 * **errors** — uvicorn's own 400 and the ``max_connections`` 503 get the
   JSON body of ``numaserve.errors_http``;
 * **cost** — ``LeanCycle`` writes a response whose length is declared in
@@ -60,6 +66,7 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from numaserve.errors_http import error_body, error_headers
 from numaserve.loops.cpu_gate import CpuPermit
+from numaserve.refusals import refusal_header
 from numaserve.worker.shedding import (
     DEADLINE_HEADER,
     PERMIT_KEY,
@@ -346,7 +353,7 @@ async def connection_limit_503(scope: Any, receive: Any, send: Any) -> None:
     """The answer past ``server.max_connections``: uvicorn's 503, in the error shape."""
     body = error_body(503, "server.max_connections reached: try again")
     await send({"type": "http.response.start", "status": 503,
-                "headers": [*error_headers(503, body), (b"connection", b"close")]})
+                "headers": [*error_headers(503, body), refusal_header("connections"), (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -365,12 +372,14 @@ class ProtocolSettings:
 
     ``max_header_bytes`` (0: no limit) / ``header_timeout`` (s, 0: none): the 431 and 408
     limits; ``admission``: the ``AdmissionRuntime`` deciding admission at head-complete,
-    or None.
+    or None; ``access_log``: the worker's access log (``AccessLogMiddleware``), which
+    also writes the line of a request the protocol refused before any ASGI call.
     """
 
     max_header_bytes: int
     header_timeout: float
     admission: AdmissionRuntime | None = None
+    access_log: Any = None
 
     def __post_init__(self) -> None:
         if self.max_header_bytes < 0:
@@ -409,6 +418,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._clock = rt.clock if rt is not None else None
         self._default_timeout = rt.s.request_timeout_s if rt is not None else 0.0
         self._fold = _foldable_edge(self.app, rt)
+        self._access = s.access_log
         self._reset_context = bool(getattr(self.config, "reset_contextvars", False))
         self._task_done = self.tasks.discard
         self._in_headers = True
@@ -419,7 +429,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None
         self._ka_timer: asyncio.TimerHandle | None = None
-        self._ns_reject: Any = None
+        self._ns_reject: Any = None  # the gate's refusal of the current request, not answered yet
+                                     # (kept while its body is parsed: answered in place at its end)
         self._ns_drop = False
         self._ns_deadline = False   # this request's head has an x-request-timeout
         self._grant: Any = None     # the permit admitted for the head being parsed (no cycle yet)
@@ -491,10 +502,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
             return
+        if self._ns_reject is not None:   # refused, its body not all in this read: close as before
+            self._refused()
+            return
         if not self._in_headers or self.transport.is_closing():
             cycle = self.cycle
             if cycle is not None and cycle.response_complete and self._header_timer is None \
-                    and not self.transport.is_closing():
+                    and self._idle_since is None and not self.transport.is_closing():
                 self._arm_header_timer()   # the rest of an answered request's body: read_timeout
             return
         if self._began:   # this head began inside this read: what of the read is its own
@@ -571,6 +585,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # it is decided by the edge when it starts (a permit counts a runnable request;
             # a refusal then is answered in order, and the connection stays usable)
             self._admit()
+            if self._ns_reject is not None:   # refused, answered once its body is in (cheap refusal)
+                self._in_headers = False
+                if self._header_timer is not None:
+                    self._cancel_header_timer()
+                return
         self._in_headers = False
         if self._header_timer is not None:
             self._cancel_header_timer()
@@ -594,6 +613,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             app: Any = connection_limit_503
             self.logger.warning("Exceeded concurrency limit.")
+            if self._gate is not None:
+                self._gate.count_refusal("connections")
             permit = scope.pop(PERMIT_KEY, None)
             if permit is not None:   # admitted, but answered without the app: give it back
                 self._grant = None
@@ -654,6 +675,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                     self._gate.client_gone(now, grant)
 
     def on_body(self, body: bytes) -> None:
+        if self._ns_reject is not None:   # the body of a refused request: dropped
+            return
         if self.parser.should_upgrade() and self._should_upgrade():
             return
         cycle = self.cycle
@@ -665,6 +688,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cycle.notify()
 
     def on_message_complete(self) -> None:
+        if self._ns_reject is not None:   # a refused request's body is in: answer, keep the connection
+            self._refused_in_place()
+            return
         if self.parser.should_upgrade() and self._should_upgrade():
             return
         cycle = self.cycle
@@ -732,23 +758,80 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         d = gate.admit(now, deadline, rt.runnable)
         if type(d) is not CpuPermit:
             self._ns_reject = d
-            raise _Stop
+            if not self._can_keep(now):
+                raise _Stop
+            return
         d.enqueued_at = arrived
         d.conn = self
         self._grant = d
         self.scope[PERMIT_KEY] = d  # type: ignore[literal-required]
         rt.admitted()
 
+    def _can_keep(self, now: float) -> bool:
+        """A refused request may be answered keeping its connection (once its body is in):
+        the client asked to keep it (HTTP/1.1, no ``Connection: close``), the worker is not
+        draining, nor shedding with ``close_when_overloaded``, and reads what it is sent."""
+        parser = self.parser
+        if parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+            return False
+        fold = self._fold
+        if fold is not None and fold.stats.draining:
+            return False
+        if self.flow.write_paused:   # the client does not read its answers: do not queue more
+            return False
+        return not (self._rt.s.close_when_overloaded and self._gate.shedding(now))
+
     def _refused(self) -> None:
+        """Answer the gate's refusal and close (the body was not read, or the connection must close)."""
         rej, self._ns_reject = self._ns_reject, None
         self._ns_drop = True
         self._cancel_header_timer()
         if rej is not None:
             counts = self._rt.edge_rejected
             counts[rej.status] = counts.get(rej.status, 0) + 1
-            self._answer_and_linger(reject_response(rej))
+            answer = reject_response(rej)
+            self._log_refusal(rej, answer)
+            self._answer_and_linger(answer)
         else:
             self.transport.close()
+
+    def _refused_in_place(self) -> None:
+        """Answer the gate's refusal of a request whose body is all in, keeping the connection:
+        the client's next request (pipelined in the same read, or later) is parsed and decided
+        as any other.  Nothing runs ahead of it (the gate decides only then), so it is in order."""
+        rej, self._ns_reject = self._ns_reject, None
+        counts = self._rt.edge_rejected
+        counts[rej.status] = counts.get(rej.status, 0) + 1
+        if self.transport.is_closing():   # the client left meanwhile: nobody to answer
+            return
+        answer = reject_response(rej, close=False, head=self.parser.get_method() == b"HEAD")
+        self._log_refusal(rej, answer)
+        self.transport.write(answer)
+        self._idle_since = self.loop.time()
+        if self._ka_timer is None:
+            self._ka_timer = self.loop.call_later(self.timeout_keep_alive, self._keepalive_check)
+
+    def _log_refusal(self, rej: Any, answer: bytes) -> None:
+        """The access line of a request refused before any ASGI call (the scope is completed
+        from the parser for it: the refusal came before the protocol filled it in)."""
+        access = self._access
+        if access is None or not access.enabled():
+            return
+        scope = self.scope
+        try:
+            if "method" not in scope:
+                scope["method"] = self.parser.get_method().decode("ascii")
+                version = self.parser.get_http_version()
+                if version != "1.1":
+                    scope["http_version"] = version
+                url = httptools.parse_url(self.url)
+                scope["path"] = self.root_path + urllib.parse.unquote(url.path.decode("ascii"))
+                scope["query_string"] = url.query or b""
+        except Exception:   # a log line must never fail a refusal (a URL httptools will not parse)
+            scope.setdefault("method", "-")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        headers = [tuple(line.split(b": ", 1)) for line in head.split(b"\r\n")[1:]]
+        access.log_answer(scope, rej.status, len(body), headers, 0.0)
 
     # --- limits ---------------------------------------------------------------------------
 

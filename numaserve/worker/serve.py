@@ -78,7 +78,7 @@ def open_listener(fd: int) -> socket.socket:
     return sock
 
 
-def _http_protocol(spec: WorkerSpec, admission: Any = None) -> Any:
+def _http_protocol(spec: WorkerSpec, admission: Any = None, access_log: Any = None) -> Any:
     if spec.http in ("auto", "httptools"):
         try:
             import httptools  # noqa: F401
@@ -87,7 +87,7 @@ def _http_protocol(spec: WorkerSpec, admission: Any = None) -> Any:
                 raise
             return "h11"
         return GuardedHttpToolsProtocol.configured(
-            ProtocolSettings(spec.max_header_bytes, spec.read_timeout, admission))
+            ProtocolSettings(spec.max_header_bytes, spec.read_timeout, admission, access_log))
     return spec.http  # "h11": h11's own max_incomplete_event_size applies
 
 
@@ -130,7 +130,10 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
     ``admission``: an ``AdmissionRuntime`` deciding admission in the HTTP
     protocol at head-complete (httptools only; h11 is decided by the edge).
     """
-    http = _http_protocol(spec, admission)
+    from numaserve.accesslog import AccessLogMiddleware
+
+    # the access log also writes the lines of requests the protocol refuses before any ASGI call
+    http = _http_protocol(spec, admission, app if isinstance(app, AccessLogMiddleware) else None)
     if spec.framing.enabled:  # frames and HTTP on the same port (numaserve.worker.sniff)
         from numaserve.worker.sniff import SniffingProtocol, SniffSettings, resolve_http_protocol
 

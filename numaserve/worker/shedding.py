@@ -8,8 +8,8 @@
   httpproto``) decides admission when a request's head is complete, before
   any task is created, with the helpers here: a refused request costs no
   task, no ASGI call and is answered (``reject_response``: 503 +
-  Retry-After + ``Connection: close``) in the same loop iteration its bytes
-  were read.  When the loop was late it reads the socket's ``TCP_INFO``
+  Retry-After + ``x-numaserve-refusal``, the connection kept when the
+  request's body is in) in the same loop iteration its bytes were read.  When the loop was late it reads the socket's ``TCP_INFO``
   (``tcp_wait_and_state``): ``tcpi_last_data_recv`` (how long the request
   sat in the kernel) back-dates its arrival, and a ``CLOSE_WAIT`` state
   (the client already gave up and closed) means the request is not run.
@@ -20,7 +20,8 @@
   reads the queue's length (``TCP_INFO`` on the listening socket), leaves
   what the loop's gate would admit (``CpuGate.stall_excess``: at least
   ``stall_queue``) and answers the oldest others
-  with 503 from outside the loop.  It needs the
+  with 503 ``stalled`` and ``Connection: close`` from outside the loop (the
+  loop never sees those connections, so they cannot stay open).  It needs the
   GIL: pure-Python code releases it every ``sys.getswitchinterval()`` (5 ms)
   and most C extensions around heavy work; a C call that holds the GIL for
   long stalls the sentinel too (then only the supervisor's steering helps).
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import math
 import os
 import select
@@ -54,6 +56,7 @@ from numaserve.loops.admission import AdmissionSettings, Reject
 from numaserve.loops.cpu_gate import CpuGate
 from numaserve.net import heldsock
 from numaserve.net.listeners import accept_queue_depth
+from numaserve.refusals import refusal_header
 from numaserve.worker.permits import PermitWatch
 from numaserve.worker.stats import BUCKET_UPPER_MS, LatencyHistogram
 
@@ -66,6 +69,8 @@ __all__ = [
     "RunnableCount",
     "Sentinel",
     "overload_response",
+    "refusal_response",
+    "reject_response",
     "tcp_wait_and_state",
 ]
 
@@ -97,25 +102,37 @@ def tcp_wait_and_state(sock: Any) -> tuple[float, int] | None:
     return _LAST_DATA_RECV.unpack_from(info, 52)[0] / 1000.0, info[0]
 
 
+_PHRASES = {503: b"Service Unavailable", 429: b"Too Many Requests", 504: b"Gateway Timeout"}
+
+
+@functools.lru_cache(maxsize=128)
+def refusal_response(status: int, reason: str, retry_after: int | None = None, *,
+                     close: bool = True, head: bool = False) -> bytes:
+    """A complete HTTP/1.1 refusal (JSON body, Retry-After for 503/429, ``x-numaserve-refusal``),
+    built once per distinct answer (a few dozen: status × reason × Retry-After × close × HEAD).
+
+    ``close``: say ``Connection: close`` (the caller closes after it); without it the
+    connection stays usable for the client's next request.  ``head``: the request was a
+    HEAD, so the body is left out (its length still declared): on a kept connection
+    a body after a HEAD answer would be read as the next response."""
+    body = error_body(status, f"request not admitted: {reason}")
+    lines = [b"HTTP/1.1 " + str(status).encode() + b" " + _PHRASES.get(status, b"Error")]
+    lines += [k + b": " + v for k, v in error_headers(status, body, retry_after or 1)]
+    k, v = refusal_header(reason)
+    lines.append(k + b": " + v)
+    if close:
+        lines.append(b"connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if head else body)
+
+
 def overload_response(retry_after: int, reason: str = "cpu") -> bytes:
-    """A complete HTTP/1.1 503 (JSON body, Retry-After, Connection: close)."""
-    body = error_body(503, f"request not admitted: {reason}")
-    head = [b"HTTP/1.1 503 Service Unavailable"]
-    head += [k + b": " + v for k, v in error_headers(503, body, retry_after)]
-    head.append(b"connection: close")
-    return b"\r\n".join(head) + b"\r\n\r\n" + body
+    """A complete HTTP/1.1 503 (JSON body, Retry-After, the reason, Connection: close)."""
+    return refusal_response(503, reason, retry_after)
 
 
-def reject_response(rej: Reject) -> bytes:
-    """A complete HTTP/1.1 answer for a refusal (503/429/504), closing the connection."""
-    if rej.status == 503:
-        return overload_response(rej.retry_after or 1, rej.reason)
-    phrase = {429: b"Too Many Requests", 504: b"Gateway Timeout"}.get(rej.status, b"Error")
-    body = error_body(rej.status, f"request not admitted: {rej.reason}")
-    head = [b"HTTP/1.1 " + str(rej.status).encode() + b" " + phrase]
-    head += [k + b": " + v for k, v in error_headers(rej.status, body, rej.retry_after or 1)]
-    head.append(b"connection: close")
-    return b"\r\n".join(head) + b"\r\n\r\n" + body
+def reject_response(rej: Reject, *, close: bool = True, head: bool = False) -> bytes:
+    """A complete HTTP/1.1 answer for a gate's refusal (503/429/504); see ``refusal_response``."""
+    return refusal_response(rej.status, rej.reason, rej.retry_after or 1, close=close, head=head)
 
 
 class LoopProbe:
@@ -301,7 +318,7 @@ class AdmissionRuntime:
         sent = self.sentinel
         if sent is not None and sent.shed:
             out["shed"] = dict(out["shed"])
-            out["shed"]["stall"] = out["shed"].get("stall", 0) + sent.shed
+            out["shed"]["stalled"] = out["shed"].get("stalled", 0) + sent.shed
             out["status_503"] += sent.shed
         out["sentinel"] = None if sent is None else {"shed": sent.shed, "handed_back": sent.handed_back,
                                                      "stalls": sent.stalls, "client_gone": sent.gone}
@@ -471,7 +488,7 @@ class Sentinel(threading.Thread):
         heldsock.recv(fd)   # the head (what is there): read, so closing sends no RST
         now = time.monotonic()
         gate = self.rt.gate
-        if heldsock.send(fd, overload_response(gate.retry_after(now), "stall")) < 0 or heldsock.shutdown_wr(fd) < 0:
+        if heldsock.send(fd, overload_response(gate.retry_after(now), "stalled")) < 0 or heldsock.shutdown_wr(fd) < 0:
             heldsock.close(fd)
             return
         self.shed += 1

@@ -51,6 +51,7 @@ from numaserve.framing import (
     encode_response,
     looks_like_http,
 )
+from numaserve.refusals import refusal_header
 
 __all__ = ["COUNTERS", "SniffSettings", "SniffingProtocol", "frame_stats", "resolve_http_protocol"]
 
@@ -327,7 +328,7 @@ class SniffingProtocol(asyncio.BufferedProtocol):
         self.server_state.total_requests += 1
         limit = self.config.limit_concurrency
         if limit is not None and len(self.server_state.tasks) >= limit:
-            self._send_error(req.id, 503, "connection limit reached", req.json)
+            self._send_error(req.id, 503, "connection limit reached", req.json, reason="connections")
             return
         self._inflight += 1
         size = len(payload)
@@ -457,7 +458,7 @@ class SniffingProtocol(asyncio.BufferedProtocol):
                     self._send_error(req.id, 500, "internal error", req.json)
                 return
             if not complete:
-                self._send_error(req.id, 504, "deadline passed while the request ran", req.json)
+                self._send_error(req.id, 504, "deadline passed while the request ran", req.json, reason="deadline")
                 return
         except Exception:  # noqa: BLE001 - the app's bug is answered, not fatal
             if over:   # our own cut (the app let ReplyTooLarge out): answered, not a bug
@@ -486,11 +487,15 @@ class SniffingProtocol(asyncio.BufferedProtocol):
             return
         self.transport.writelines([HEADER.pack(len(payload)), payload])
 
-    def _send_error(self, rid: Any, status: int, message: str, as_json: bool) -> None:
+    def _send_error(self, rid: Any, status: int, message: str, as_json: bool,
+                    reason: str | None = None) -> None:
+        """An error frame; ``reason``: a refusal's (``numaserve.refusals``), in its headers."""
         COUNTERS["frame_errors"] += 1
         body = error_body(status, message)
-        self._write(encode_response(rid, status, error_headers(status, body), body,
-                                    as_json=as_json, error=message))
+        headers = error_headers(status, body)
+        if reason is not None:
+            headers.append(refusal_header(reason))
+        self._write(encode_response(rid, status, headers, body, as_json=as_json, error=message))
 
     def _fail(self, status: int, message: str, rid: Any, as_json: bool) -> None:
         """Protocol error: answer, stop reading, close once in-flight replies are out.

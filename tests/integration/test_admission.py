@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from numaserve.refusals import REFUSAL_REASONS
 from tests.integration.harness import FAST_CONFIG, REPO, Running
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,8 @@ def test_a_blocking_app_at_twice_its_capacity_gets_503s_and_keeps_serving() -> N
         g = gates(sup)
         assert sum(sum(x.get("shed", {}).values()) for x in g) > 0, g
 
-    # 503s carry Retry-After and close the connection (checked on one answer, when there is one)
+    # 503s carry Retry-After and their reason; the loop's refusals of these GETs keep the
+    # connection (cheap refusals), the sentinel's (new connections, off the loop) close it
     with Running(ARGS) as sup:
         url = f"http://127.0.0.1:{sup.port}/cpu20"
 
@@ -107,7 +109,11 @@ def test_a_blocking_app_at_twice_its_capacity_gets_503s_and_keeps_serving() -> N
         assert not failed, failed[:5]
         rs = [r for r in got if isinstance(r, httpx.Response)]
         refused = [r for r in rs if r.status_code == 503]
-        assert all(r.headers.get("retry-after") and r.headers.get("connection") == "close" for r in refused)
+        assert all(r.headers.get("retry-after") for r in refused)
+        why = [(r.headers.get("x-numaserve-refusal"), r.headers.get("connection")) for r in refused]
+        assert all(reason in REFUSAL_REASONS for reason, _ in why), why
+        assert all(conn == "close" for reason, conn in why if reason == "stalled"), why
+        assert all(conn != "close" for reason, conn in why if reason in ("cpu", "limit")), why
         assert all(r.json()["error"]["type"] == "overloaded" for r in refused)
         assert {r.status_code for r in rs} <= {200, 503}
 

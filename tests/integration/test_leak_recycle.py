@@ -3,40 +3,38 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
-from tests.integration.harness import FAST_CONFIG, Running
+from tests.integration.harness import APPS, FAST_CONFIG, Running
 from tests.integration.load import LoadLoop
 
 pytestmark = pytest.mark.slow
 
-# Scaled-down detector (the production defaults need thousands of requests):
-# grace 200 requests / 2 s, window 1000 requests in steps of 20, evaluation every
-# 100 requests or 1 s, no time axis; recycle spacing off for the test.
+# Scaled-down detector (the production tuning needs thousands of requests): the
+# fixed tuning is replaced in the supervisor by apps/leaktuning/sitecustomize.py
+# (grace 200 requests / 2 s, steps of 20, evaluation every 100 requests or 1 s,
+# no time axis, recycle spacing off); the window is the [leak] key.
+TUNING = APPS / "leaktuning"
 LEAK_CONFIG = FAST_CONFIG + """
 [leak]
-grace_requests = 200
-grace_seconds = 2.0
 window_requests = 1000
-step_requests = 20
-min_points = 12
-max_points = 50
-eval_every_requests = 100
-eval_every_seconds = 1.0
-time_axis = false
-recycle_spacing_s = 0.0
-recycle_worker_min_s = 0.0
-uss_interval_s = 2.0
 [admission]
 enabled = true
 """
 
 
+def tuned_env() -> dict[str, str]:
+    """The leaking app's slot, and the scaled-down detector first on the path."""
+    path = [str(TUNING)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"LEAK_SLOT": "0", "PYTHONPATH": os.pathsep.join(path)}
+
+
 def test_leaking_worker_is_recycled_and_warming_cache_is_not() -> None:
     with Running(["--nodes", "0", "--workers-per-node", "2", "--app", "leakapp:app", "--bind", "127.0.0.1:0"],
-                 config=LEAK_CONFIG, env={"LEAK_SLOT": "0"}) as sup:
+                 config=LEAK_CONFIG, env=tuned_env()) as sup:
         with LoadLoop(sup.port, keepalive=2, fresh=2, max_seconds=90, max_requests=5000, pace=0.02) as load:
             st = sup.wait_for(lambda st: any(o["kind"] == "leak" and o["state"] == "succeeded"
                                              for o in st["operations"]), 90, "the leaking slot recycled")

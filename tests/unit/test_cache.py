@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from numaserve.control.messages import Ack, Command
+from numaserve.worker import cache as cache_mod
 from numaserve.worker.cache import CacheConfig, CacheEntry, CacheMiddleware, ResponseCache, fingerprint
 from numaserve.worker.control import CommandDispatcher
 
@@ -34,8 +37,9 @@ def test_fingerprint_covers_every_part() -> None:
         assert other != base
 
 
-def test_lru_by_entries_and_by_bytes() -> None:
-    c = ResponseCache(CacheConfig(max_entries=3, max_bytes=100, max_entry_bytes=60))
+def test_lru_by_entries_and_by_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cache_mod, "MAX_ENTRY_BYTES", 60)
+    c = ResponseCache(CacheConfig(max_entries=3, max_bytes=100))
     for k in (b"1", b"2", b"3"):
         c.put(k, entry(size=10))
     assert c.get(b"1") is not None  # 1 is now most recent
@@ -45,7 +49,8 @@ def test_lru_by_entries_and_by_bytes() -> None:
     assert len(c) == 3 and c.bytes <= 100
     c.put(b"6", entry(size=60))
     assert c.bytes <= 100
-    assert not c.put(b"big", entry(size=61))  # over max_entry_bytes: never stored
+    assert not c.put(b"big", entry(size=61))  # over MAX_ENTRY_BYTES: never stored
+    assert not ResponseCache(CacheConfig(max_bytes=50)).put(b"big", entry(size=51))  # over max_bytes: never
     assert c.stats()["cache_entries"] == len(c)
 
 
@@ -209,7 +214,7 @@ def test_response_in_flight_during_purge_is_not_stored() -> None:
 
 def test_oversized_response_is_passed_through_not_stored() -> None:
     async def main() -> None:
-        mw, app = mw_with(max_entry_bytes=5)
+        mw, app = mw_with(max_bytes=5)
         _, _, b = await call(mw, "GET", "/long-path-over-five-bytes")
         assert b.startswith(b"1:GET") and len(mw.cache) == 0
     asyncio.run(main())

@@ -56,10 +56,10 @@ def test_status_is_one_line_per_slot_when_wide() -> None:
 
 
 def test_status_counts_refusals_per_reason_over_the_slots() -> None:
-    data = status(slot(0, totals={"shed_by_reason": {"cpu": 40, "stall": 7}}),
+    data = status(slot(0, totals={"shed_by_reason": {"cpu": 40, "stalled": 7}}),
                   slot(1, totals={"shed_by_reason": {"cpu": 2, "quota": 0}}), slot(2))
     lines = status_lines(data, 80)
-    assert lines[-1] == "refused (since start):  cpu 42  stall 7", lines   # most first; zeros left out
+    assert lines[-1] == "refused (since start):  cpu 42  stalled 7", lines   # most first; zeros left out
     assert not any("refused" in line for line in status_lines(status(slot(0), slot(1)), 80))
 
 

@@ -244,6 +244,36 @@ def test_example_config_documents_every_option_with_its_default() -> None:
             assert commented, f"{sf.name}.{f.name} has no comment above it in {EXAMPLE}"
 
 
+def test_example_config_names_each_key_once_commented_out_with_a_short_comment() -> None:
+    """config/numaserve.toml: a one-line header per section, every key once as ``# key = default``
+    under one or two lines of comment (issue 33 item 5)."""
+    seen: list[str] = []
+    section = ""
+    block: list[str] = []
+    lines = EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = _SECTION_RE.match(line.strip())
+        if m and not line.startswith("#"):
+            section = m.group(1)
+            assert lines[i + 1].startswith("# ") and not lines[i + 2].strip(), f"[{section}]: one-line header"
+            block = []
+            continue
+        key = re.match(r"^# (\w+) = ", line)
+        if key and section and key.group(1) in {f.name for f in msgspec.structs.fields(
+                type(getattr(Config(), section)))}:
+            seen.append(f"{section}.{key.group(1)}")
+            assert 1 <= len(block) <= 2, f"{section}.{key.group(1)}: {len(block)} comment lines"
+            block = []
+        elif line.startswith("#"):
+            block.append(line)
+        elif not line.strip():
+            block = []
+        else:
+            raise AssertionError(f"line {i + 1} is live, not commented out: {line!r}")
+    schema = [f"{sf.name}.{f.name}" for sf in msgspec.structs.fields(Config) for f in msgspec.structs.fields(sf.type)]
+    assert sorted(seen) == sorted(schema)          # each key once, none missing, none unknown
+
+
 def test_example_config_has_no_unknown_options() -> None:
     documented = _documented(EXAMPLE.read_text())
     defaults = Config().to_dict()
@@ -261,8 +291,8 @@ def test_example_explains_bind_default_and_auto_rule() -> None:
 @pytest.mark.parametrize("text, fragment", [
     ("[server]\ngraceful_timeout = nan\n", "server.graceful_timeout = nan: expected a finite number"),
     ("[ops]\nrate_limit = inf\n", "ops.rate_limit = inf: expected a finite number"),
-    ("[supervisor]\nbackoff_jitter = -inf\n", "supervisor.backoff_jitter = -inf: expected a finite number"),
-    ("[admin]\nidle_timeout = nan\n", "admin.idle_timeout = nan: expected a finite number"),
+    ("[supervisor]\nbackoff_initial = -inf\n", "supervisor.backoff_initial = -inf: expected a finite number"),
+    ("[placement]\nlocality_interval = nan\n", "placement.locality_interval = nan: expected a finite number"),
 ])
 def test_nan_and_infinities_are_refused_with_the_key(tmp_path: Path, text: str, fragment: str) -> None:
     p = write(tmp_path, text)
@@ -310,3 +340,39 @@ def test_a_retired_key_or_section_says_why_and_what_instead(tmp_path: Path, monk
         load(write(tmp_path, "[oldtable]\nx = 1\n"))
     with pytest.raises(ConfigError, match=r"NUMASERVE_SERVER_OLD_KNOB: server\.old_knob was removed"):
         load(None, env={"NUMASERVE_SERVER_OLD_KNOB": "3"})
+
+
+# issue 33 item 5: keys cut to fixed constants; an old config naming one fails with the reason
+CUT_KEYS = [
+    ("leak", "grace_requests", "leak.threshold_bytes_per_1000, leak.window_requests"),
+    ("leak", "uss_interval_s", "numaserve.loops.leak.LeakSettings"),
+    ("leak", "budget_memtotal_fraction", "set leak.budget_bytes"),
+    ("supervisor", "backoff_jitter", "±20 %"),
+    ("supervisor", "unresponsive_after", "2 heartbeat intervals"),
+    ("ops", "drain_timeout", "use server.graceful_timeout"),
+    ("ops", "max_connections", "16 ops clients"),
+    ("ops", "idle_timeout", "30 s"),
+    ("admin", "enabled", 'admin.bind = ""'),
+    ("admin", "max_connections", "64 admin HTTP connections"),
+    ("admin", "idle_timeout", "5 s"),
+    ("cmd", "probe_timeout", "2 s per readiness probe"),
+    ("cmd", "probe_interval", "0.25 s"),
+    ("cache", "max_entry_bytes", "1 MiB"),
+]
+
+
+@pytest.mark.parametrize("section, key, sentence", CUT_KEYS)
+def test_a_cut_key_fails_with_its_sentence(tmp_path: Path, section: str, key: str, sentence: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(write(tmp_path, f"[{section}]\n{key} = 1\n"))
+    assert f"{section}.{key} was removed: " in str(e.value) and sentence in str(e.value), str(e.value)
+
+
+def test_every_retired_key_is_gone_from_the_schema() -> None:
+    from numaserve.retiredkeys import RETIRED
+
+    cfg = Config()
+    for name in RETIRED:
+        section, _, key = name.partition(".")
+        if key and hasattr(cfg, section):
+            assert key not in {f.name for f in msgspec.structs.fields(type(getattr(cfg, section)))}, name

@@ -242,10 +242,12 @@ def test_app_errors_timeouts_and_limits_use_the_error_classes(loop: str) -> None
                 assert r.status == 500
                 r = await c.request("GET", "/slow?ms=2000", timeout=0.2)
                 assert r.status == 504 and r.json()["error"]["type"] == "timeout"
+                assert r.header("x-numaserve-refusal") == "deadline"   # why: numaserve.refusals
                 rs = await asyncio.gather(*(c.request("GET", "/slow?ms=200") for _ in range(5)))
                 statuses = sorted(r.status for r in rs)
                 assert 503 in statuses and 200 in statuses
                 assert all(r.header("retry-after") for r in rs if r.status == 503)
+                assert all(r.header("x-numaserve-refusal") == "connections" for r in rs if r.status == 503)
                 assert (await c.request("GET", "/still-open")).status == 200
             body = b"x" * ((1 << 20) + 1)
             async with AsyncFrameClient("127.0.0.1", port) as c:

@@ -20,7 +20,7 @@ ONE_NODE = {s: 0 for s in range(8)}
 
 def stats(slot: int, *, gen: int = 1, cpu: int = 0, stall: int = 0, stalls: int = 0, quota: int = 0,
           connections: int = 0) -> Stats:
-    adm: dict[str, Any] = {"shed": {"cpu": cpu, "stall": stall, "quota": quota},
+    adm: dict[str, Any] = {"shed": {"cpu": cpu, "stalled": stall, "quota": quota},
                            "sentinel": {"shed": stall, "stalls": stalls}}
     return Stats(slot=slot, generation=gen, requests=0, inflight=0, connections=connections,
                  extra={"admission": adm})

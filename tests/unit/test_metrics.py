@@ -635,7 +635,6 @@ def test_admin_disabled_and_bad_bind() -> None:
     from numaserve.errors import NumaserveError
 
     assert open_admin_socket(AdminConfig(bind="")) is None
-    assert open_admin_socket(AdminConfig(enabled=False)) is None
     assert asyncio.run(start_admin(FakeSup(), AdminConfig(bind=""))) is None
     with pytest.raises(NumaserveError, match="admin.bind"):
         open_admin_socket(AdminConfig(bind="nonsense"))

@@ -100,7 +100,7 @@ def reset(w: asyncio.StreamWriter) -> None:
 
 def test_pipelined_requests_closed_after_the_first_answer_give_their_permits_back() -> None:
     """The outage: 10 connections x 60 pipelined GETs, each closed after its first answer, left
-    the gate counting ~560 in flight forever (then every request got 503 inflight_cap)."""
+    the gate counting ~560 in flight forever (then every request got 503 `limit`, then named inflight_cap)."""
     async def main() -> None:
         async with serving() as (stack, addr):
             async def one() -> None:

@@ -94,6 +94,7 @@ def test_overload_response_is_one_complete_http_answer() -> None:
     raw = overload_response(2, "cpu")
     head, body = raw.split(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 2" in head and b"connection: close" in head
+    assert b"\r\nx-numaserve-refusal: cpu" in head
     assert int(head.split(b"content-length: ")[1].split(b"\r\n")[0]) == len(body)
     assert b'"type":"overloaded"' in body
 
@@ -241,9 +242,10 @@ def test_the_sentinel_answers_the_accept_queue_while_a_handler_blocks(stall: flo
             served = [o for o in outs if o.startswith(b"HTTP/1.1 200")]
             assert refused and served and len(refused) + len(served) == 6
             assert all(b"retry-after:" in o.lower() for o in refused)
+            assert all(b"\r\nx-numaserve-refusal: stalled\r\n" in o for o in refused)
             sent = rt.sentinel
             assert sent is not None and sent.shed == len(refused)
-            assert rt.snapshot()["shed"]["stall"] == len(refused)
+            assert rt.snapshot()["shed"]["stalled"] == len(refused)
     asyncio.run(main())
 
 

@@ -172,7 +172,7 @@ def test_inflight_cap_lease_quota_and_deadline() -> None:
     g = gate(max_inflight=2)
     assert all(isinstance(g.try_admit(0.0), Admit) for _ in range(2))
     r = g.try_admit(0.0)
-    assert isinstance(r, Reject) and r.reason == "inflight_cap"
+    assert isinstance(r, Reject) and r.reason == "limit"
     g = gate()
     assert g.set_limits(0.0, 3, concurrency=1, lease_expiry=10.0, safe_concurrency=5)
     assert not g.set_limits(0.0, 2, concurrency=99)          # stale epoch
@@ -186,7 +186,7 @@ def test_inflight_cap_lease_quota_and_deadline() -> None:
     assert isinstance(q, Reject) and q.status == 429 and q.retry_after == 1
     d = g.try_admit(5.0, deadline=4.0)
     assert isinstance(d, Reject) and d.status == 504 and d.retry_after is None
-    assert g.set_limits(5.0, 5, concurrency=0) and g.try_admit(5.0).reason == "limit_zero"  # type: ignore[union-attr]
+    assert g.set_limits(5.0, 5, concurrency=0) and g.try_admit(5.0).reason == "limit"  # type: ignore[union-attr]
 
 
 def test_release_and_gone_clients_free_their_permit_once() -> None:
@@ -213,7 +213,7 @@ def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
     g.request_cpu_s = 0.05                            # long calls: only stall_queue stays
     assert g.stall_excess(t, 0.003, 4) == 3 and g.stall_excess(t, 0.001, 4) == 0
     g.record_stall_shed(t, 3)
-    assert g.snapshot(t).shed["stall"] == 3
+    assert g.snapshot(t).shed["stalled"] == 3
 
 
 def test_stall_excess_keeps_what_the_loop_would_admit() -> None:

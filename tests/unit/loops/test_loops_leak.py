@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from loops_traces import KiB, LEAK_FREE, LEAKY, MiB, make_trace, onset
-from numaserve.loops.leak import LeakDetector, LeakSettings, Verdict, resolve_budget
+from numaserve.loops.leak import LeakConfig, LeakDetector, LeakSettings, Verdict, detector_settings, resolve_budget
 
 SEEDS = int(os.environ.get("NUMASERVE_LOOPS_SEEDS", "20"))
 GiB = 1 << 30
@@ -244,3 +244,25 @@ def test_settings_section_and_budget() -> None:
         LeakSettings(min_points=3)
     assert resolve_budget(LeakSettings(), 64 * GiB, 8) == int(64 * GiB * 0.8 / 8)
     assert resolve_budget(LeakSettings(budget_bytes=123), 64 * GiB, 8) == 123
+
+
+def test_the_leak_section_sets_its_keys_over_the_fixed_tuning() -> None:
+    c = msgspec.convert({"budget_bytes": 123, "soft_cap": 0.7, "threshold_bytes_per_1000": 4 * MiB,
+                         "window_requests": 2000}, LeakConfig)
+    s = detector_settings(c)
+    assert (s.enabled, s.budget_bytes, s.soft_cap, s.hard_cap) == (True, 123, 0.7, 0.95)
+    assert (s.threshold_bytes_per_1000, s.ci_lower_bytes_per_1000, s.window_requests) == (4 * MiB, 2 * MiB, 2000)
+    assert s.step_requests == LeakSettings().step_requests           # the fit's tuning is fixed
+    assert detector_settings(LeakConfig(enabled=False), LeakSettings(step_requests=7)).step_requests == 7
+    d = detector_settings(LeakConfig())                              # the defaults are the fixed tuning's
+    assert (d.threshold_bytes_per_1000, d.ci_lower_bytes_per_1000) == (10 * MiB, 5 * MiB)
+    with pytest.raises(msgspec.ValidationError, match="step_requests"):
+        msgspec.convert({"step_requests": 100}, LeakConfig)
+    with pytest.raises(ValueError, match="window_requests = 100: expected an integer >= 500"):
+        LeakConfig(window_requests=100)
+    with pytest.raises(ValueError, match="threshold_bytes_per_1000 = 0"):
+        LeakConfig(threshold_bytes_per_1000=0)
+    with pytest.raises(ValueError, match="soft_cap = 0.99: expected at most hard_cap"):
+        LeakConfig(soft_cap=0.99, hard_cap=0.9)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        LeakConfig(budget_bytes=-1)

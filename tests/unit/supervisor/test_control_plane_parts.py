@@ -330,7 +330,10 @@ def test_admin_guard_evicts_the_oldest_idle_or_refuses() -> None:
                           "closed_idle": 0}
 
 
-def test_admin_server_closes_idle_and_excess_connections() -> None:
+def test_admin_server_closes_idle_and_excess_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    from numaserve.supervisor import admin as admin_mod
+
+    monkeypatch.setattr(admin_mod, "ADMIN_IDLE_TIMEOUT", 0.5)
     from numaserve.supervisor.admin import AdminConfig, LoopHeartbeat, start_admin
 
     class Sup:
@@ -341,8 +344,8 @@ def test_admin_server_closes_idle_and_excess_connections() -> None:
             return {"supervisor": {}, "slots": []}
 
     async def go() -> None:
-        handle = await start_admin(Sup(), AdminConfig(bind="127.0.0.1:0", max_connections=3, idle_timeout=0.5),
-                                   heartbeat=LoopHeartbeat())
+        handle = await start_admin(Sup(), AdminConfig(bind="127.0.0.1:0"), heartbeat=LoopHeartbeat(),
+                                   max_connections=3)
         assert handle is not None
         host, port = handle.address.rsplit(":", 1)
         try:

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
 
-import msgspec
 import pytest
 from slotfakes import FakeSlots, held_operation
 
 from numaserve.config import Config
+from numaserve.loops.leak import LeakSettings
 from numaserve.supervisor import leakwatch as LW
 from numaserve.supervisor.leakwatch import LeakWatch, recycle_deferral
 from numaserve.supervisor.operations import Operations
 
 MiB = 1 << 20
-S = Config().leak   # production defaults: spacing 60 s, worker minimum 900 s, budget max(1, 2 // 2) = 1/hour
+S = LeakSettings()   # production defaults: spacing 60 s, worker minimum 900 s, budget max(1, 2 // 2) = 1/hour
 
 
 def _why(times: deque[float], now: float, grown: int, *, cap: bool = False, running: str | None = None,
@@ -68,17 +67,12 @@ def _serving(cfg: Config) -> FakeSlots:
     return f
 
 
-def _cfg(**leak: Any) -> Config:
-    c = Config()
-    return msgspec.structs.replace(c, leak=msgspec.structs.replace(c.leak, **leak))
-
-
 def test_a_deferred_worker_is_recycled_at_the_first_tick_after_the_operation_ends(rss: dict[int, int]) -> None:
     async def main() -> None:
-        f = _serving(_cfg(uss_interval_s=0.0))
+        f = _serving(Config())
         ops = Operations(f, f)
         other, gate = held_operation(ops, [0])
-        lw = LeakWatch(f, f, ops)
+        lw = LeakWatch(f, f, ops, tuning=LeakSettings(uss_interval_s=0.0))
         lw.budget = 100 * MiB
         w = f.slots[0].worker
         rss[w.pid] = 90 * MiB                         # past the soft cap, under the hard one

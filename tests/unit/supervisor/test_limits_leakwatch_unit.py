@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any
 
-import msgspec
 import pytest
 from slotfakes import FakeSlots, held_operation
 
 from numaserve.config import Config
+from numaserve.loops.leak import LeakSettings
 from numaserve.supervisor import leakwatch as LW
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.leakwatch import LeakWatch
@@ -70,11 +69,6 @@ def test_limits_do_nothing_while_stopping() -> None:
 # ------------------------------------------------------------- leak watch
 
 
-def leak_cfg(**leak: Any) -> Config:
-    c = Config()
-    return msgspec.structs.replace(c, leak=msgspec.structs.replace(c.leak, **leak))
-
-
 @pytest.fixture
 def rss(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
     """Per-pid RSS the leak watch reads (instead of /proc)."""
@@ -85,8 +79,8 @@ def rss(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
 
 
 def test_hard_cap_kills_the_worker_through_slot_control(rss: dict[int, int]) -> None:
-    f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
-    lw = LeakWatch(f, f, Operations(f, f))
+    f = serving(1)
+    lw = LeakWatch(f, f, Operations(f, f), tuning=LeakSettings(uss_interval_s=0.0))
     lw.budget = 100 * 1024 * 1024
     w = f.slots[0].worker
     rss[w.pid] = 99 * 1024 * 1024                        # ≥ 95 % of the budget
@@ -101,9 +95,9 @@ def test_hard_cap_kills_the_worker_through_slot_control(rss: dict[int, int]) -> 
 
 def test_soft_cap_recycles_through_a_tracked_replace(rss: dict[int, int]) -> None:
     async def main() -> None:
-        f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
+        f = serving(1)
         ops = Operations(f, f)
-        lw = LeakWatch(f, f, ops)
+        lw = LeakWatch(f, f, ops, tuning=LeakSettings(uss_interval_s=0.0))
         lw.budget = 100 * 1024 * 1024
         w = f.slots[0].worker
         rss[w.pid] = 90 * 1024 * 1024                    # past the soft cap, under the hard one
@@ -126,10 +120,10 @@ def test_soft_cap_recycles_through_a_tracked_replace(rss: dict[int, int]) -> Non
 
 def test_a_recycle_is_deferred_while_another_operation_runs(rss: dict[int, int]) -> None:
     async def main() -> None:
-        f = serving(1, cfg=leak_cfg(uss_interval_s=0.0))
+        f = serving(1)
         ops = Operations(f, f)
         other, gate = held_operation(ops, [0])
-        lw = LeakWatch(f, f, ops)
+        lw = LeakWatch(f, f, ops, tuning=LeakSettings(uss_interval_s=0.0))
         lw.budget = 100 * 1024 * 1024
         w = f.slots[0].worker
         rss[w.pid] = 90 * 1024 * 1024
@@ -146,8 +140,8 @@ def test_uss_is_read_at_the_interval_while_rss_moves_and_rarely_while_flat(
         rss: dict[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[float] = []
     monkeypatch.setattr(LW, "read_smaps_rollup", lambda pid: reads.append(now[0]) or {"Uss": 1, "Pss": 1})
-    f = serving(1, cfg=leak_cfg(uss_interval_s=10.0))
-    lw = LeakWatch(f, f, Operations(f, f))
+    f = serving(1)
+    lw = LeakWatch(f, f, Operations(f, f), tuning=LeakSettings(uss_interval_s=10.0))
     w = f.slots[0].worker
     rss[w.pid] = 50 << 20
     now = [0.0]
