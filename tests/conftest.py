@@ -1,0 +1,38 @@
+"""How the suite shares a machine with itself under pytest-xdist (``-n 2 --dist loadgroup`` in setup.cfg).
+
+- Tests are spread one by one, except that a module whose tests share a module- or session-scoped
+  fixture of its own (a supervisor, a VM boot, a quick bench run) runs on one worker, so the
+  fixture is built once, not once per worker.
+- Every ``vm`` test runs on the same worker ("vm" group): one VM at a time per run, and each VM
+  module boots its VM once.
+
+Nothing here keeps a neighbour off a test: a test that offers load does so relative to a ceiling
+it cannot exceed however idle the machine is (see test_admission.py), never to a capacity
+measured under the same noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+VM_GROUP = "vm"
+
+
+def _own_module_scoped(item: pytest.Item) -> bool:
+    """True when the item uses a module/session fixture defined in its own test module."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(item, "module", None)
+    if info is None or module is None:
+        return False
+    return any(d.scope in ("module", "session") and getattr(d.func, "__module__", None) == module.__name__
+               for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if item.get_closest_marker("vm"):
+            item.add_marker(pytest.mark.xdist_group(VM_GROUP))
+        elif _own_module_scoped(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
