@@ -28,7 +28,9 @@ def _own_module_scoped(item: pytest.Item) -> bool:
                for defs in info.name2fixturedefs.values() for d in defs)
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which turns the marker into the "@group" nodeid suffix
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the VM tests, and each module's tests that share a module fixture of their own (see above)."""
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
