@@ -69,3 +69,16 @@ def test_the_generator_runs_and_pins_exactly() -> None:
     body = [x for x in r.stdout.splitlines() if x and not x.startswith("#")]
     assert body and all(re.fullmatch(r"[a-z0-9-]+==\S+", x) for x in body), body
     assert "numaserve==" not in r.stdout and "click==" in r.stdout
+
+
+def test_the_plugins_addopts_need_are_declared_test_dependencies() -> None:
+    """setup.cfg's addopts use pytest-xdist (-n, --dist): without it in the test extra a fresh install cannot run pytest."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    addopts = cfg["tool:pytest"]["addopts"].split()
+    test_extra = {canonicalize_name(Requirement(x.strip()).name)
+                  for x in cfg["options.extras_require"]["test"].splitlines()
+                  if x.strip() and not x.strip().startswith("#")}
+    if "-n" in addopts or "--dist" in addopts:
+        assert "pytest-xdist" in test_extra, "addopts use -n/--dist: add pytest-xdist to setup.cfg's test extra"
+        assert "pytest-xdist" in pins(), "pin pytest-xdist in constraints.txt"

@@ -14,6 +14,8 @@ import pytest
 
 from tests.integration.harness import Running
 
+pytestmark = pytest.mark.slow   # a real supervisor with two workers
+
 TWO = ["--nodes", "0", "--workers-per-node", "2", "--bind", "127.0.0.1:0"]
 
 

@@ -16,6 +16,8 @@ from tests.integration.harness import REPO, Running
 pytest.importorskip("gunicorn")
 pytest.importorskip("uvicorn.workers")
 
+pytestmark = pytest.mark.slow   # two gunicorn masters under a real supervisor
+
 
 def readme_gunicorn_cmd() -> str:
     text = (REPO / "README.md").read_text()

@@ -123,7 +123,8 @@ def test_max_requests_recycles_workers_under_load_without_a_failed_request() -> 
         res = load.stop()
         assert not res.failures, res.failures[:10]
         ops = [o for o in st["operations"] if o["kind"] == "max_requests"]
-        assert all(o["state"] == "succeeded" for o in ops), ops
+        # none failed; the load keeps going while two succeed, so a third may still be running
+        assert all(o["state"] in ("succeeded", "running") for o in ops), ops
         assert all("max_requests:" in o["args"]["reason"] for o in ops), ops
         after = {s["slot"]: s["generation"] for s in st["slots"]}
         assert any(after[k] > before[k] for k in before), (before, after)

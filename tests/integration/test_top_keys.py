@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.harness import REPO, Running, numaserve_argv
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")]
 
 
 @pytest.fixture(scope="module")

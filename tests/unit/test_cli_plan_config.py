@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -368,8 +369,11 @@ def _extract(name: str, dest: Path) -> Path:
     tarball = HWLOC / f"{name}.tar.bz2"
     if not tarball.is_file():
         pytest.skip(f"hwloc fixture {tarball} absent")
-    with tarfile.open(tarball) as tf:
-        tf.extractall(dest, filter="tar")
+    if shutil.which("tar"):  # several times faster than tarfile on the 7000-file dumps (as tests/unit/topology)
+        subprocess.run(["tar", "xjf", str(tarball), "-C", str(dest), "--no-same-owner"], check=True)
+    else:
+        with tarfile.open(tarball) as tf:
+            tf.extractall(dest, filter="tar")
     (top,) = [p for p in dest.iterdir() if p.is_dir()]  # top folder name differs from the file's
     return top
 

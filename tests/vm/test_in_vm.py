@@ -100,7 +100,7 @@ def test_guest_files_are_not_collected_on_the_host() -> None:
     if os.environ.get("NUMASERVE_IN_VM") == "1":
         pytest.skip("inside the VM")
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", str(GUEST_DIR)],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "--collect-only", "-q", str(GUEST_DIR)],
         capture_output=True, text=True, cwd=REPO, timeout=120,
         env={k: v for k, v in os.environ.items() if k != "NUMASERVE_IN_VM"},
     )

@@ -132,7 +132,7 @@ def test_systemd_guest_files_are_not_collected_outside_the_vm() -> None:
     if os.environ.get("NUMASERVE_IN_VM") == "1":
         pytest.skip("inside the VM")
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", str(GUEST_DIR)],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "--collect-only", "-q", str(GUEST_DIR)],
         capture_output=True, text=True, cwd=REPO, timeout=120,
         env=dict(os.environ, NUMASERVE_IN_VM="1"),   # even with the flag: PID 1 here is not the lab's systemd
     )

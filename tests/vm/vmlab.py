@@ -158,8 +158,9 @@ def run_guest_pytest(guest_dir: Path, selected_tests: list[str], all_tests: list
         envs += ["--env", f"{k}={v}"]
     cmd = [
         str(LAB_SCRIPT), "--cwd", str(REPO), "--timeout", str(timeout), "--share", str(share), *lab_args, *envs,
-        "--", sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "--timeout", str(test_timeout),
-        "-o", "junit_family=xunit2", f"--junitxml={xml_path}", *pytest_args, *targets,
+        # -n 0: one guest pytest process, whatever addopts say (the guest has 4 emulated vCPUs)
+        "--", sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rA",
+        "--timeout", str(test_timeout), "-o", "junit_family=xunit2", f"--junitxml={xml_path}", *pytest_args, *targets,
     ]
     t0 = time.monotonic()
     try:

@@ -48,6 +48,7 @@ def run(t: np.ndarray, r: np.ndarray, rss: np.ndarray, settings: LeakSettings = 
     return None, v, streak
 
 
+@pytest.mark.slow   # SEEDS traces of ~0.3 s each per scenario (the sweeps of FACTS §8.2)
 @pytest.mark.parametrize("name", LEAK_FREE)
 def test_no_false_leaks_on_leak_free_traces(name: str) -> None:
     """flat, warm-up, slow warm-up, allocator ratchet, 5 KB/req (below threshold): never a leak."""
@@ -59,6 +60,7 @@ def test_no_false_leaks_on_leak_free_traces(name: str) -> None:
     assert flagged == [], flagged
 
 
+@pytest.mark.slow
 def test_ratchet_and_slow_warmup_with_a_tight_budget() -> None:
     """A 1 GiB budget makes the time twin sensitive (threshold ~1.6 MB/min); still no false leak."""
     for name in ("ratchet", "slow_warmup"):
@@ -67,6 +69,7 @@ def test_ratchet_and_slow_warmup_with_a_tight_budget() -> None:
             assert at is None, (name, seed, v.detail)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LEAKY)
 def test_leaks_at_or_above_12kb_per_request_are_caught(name: str) -> None:
     points = []

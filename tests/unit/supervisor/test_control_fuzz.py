@@ -151,6 +151,7 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 # ---------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow   # 200 examples, each on a fresh Supervisor object: ~10-20 s of CPU
 @FUZZ
 @given(frames=control_frames)
 def test_control_frames_never_raise_and_are_counted(tmp_path: Path, caught: _Exceptions, frames: list[bytes]) -> None:
@@ -168,6 +169,7 @@ def test_control_frames_never_raise_and_are_counted(tmp_path: Path, caught: _Exc
         close(sup)
 
 
+@pytest.mark.slow   # 200 examples, each on a fresh Supervisor object: ~10-20 s of CPU
 @FUZZ
 @given(frames=ops_frames, channel=st.sampled_from(["ipc", "ipc-readonly", "tcp-curve"]))
 def test_ops_frames_always_get_a_well_formed_reply(tmp_path: Path, caught: _Exceptions, frames: list[bytes],
@@ -196,6 +198,7 @@ def test_ops_frames_always_get_a_well_formed_reply(tmp_path: Path, caught: _Exce
         close(sup)
 
 
+@pytest.mark.slow   # 300 large generated messages: ~15 s of CPU
 @settings(max_examples=300, deadline=None)
 @given(data=st.one_of(st.binary(max_size=200), messages, requests))
 def test_decoders_raise_only_bad_message(data: bytes) -> None:

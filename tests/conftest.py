@@ -1,0 +1,57 @@
+"""How the suite shares a machine with itself under pytest-xdist (``-n auto --dist loadgroup`` in setup.cfg).
+
+- Tests are spread one by one, except that a module whose tests share a module- or session-scoped
+  fixture of its own (a supervisor, a VM boot, a quick bench run) runs on one worker, so the
+  fixture is built once, not once per worker.
+- Every ``vm`` test runs on the same worker ("vm" group): one VM at a time per run, and each VM
+  module boots its VM once.
+
+Nothing here keeps a neighbour off a test: a test that offers load does so relative to a ceiling
+it cannot exceed however idle the machine is (see test_admission.py), never to a capacity
+measured under the same noise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+VM_GROUP = "vm"
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for ``-n auto`` (setup.cfg): one per CPU for the unit tests, two per CPU when slow tests run.
+
+    Unit tests are CPU-bound; the slow tests mostly wait on processes they started (a 'slow or vm'
+    run on 2 workers used 0.78 CPU on average), so a second worker per CPU pays for itself.
+    PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in xdist's own rule.
+    """
+    forced = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if forced:
+        return int(forced)
+    cpus = len(os.sched_getaffinity(0))
+    unit_only = "not slow" in (config.getoption("markexpr", "") or "")
+    return cpus if unit_only else 2 * cpus
+
+
+def _own_module_scoped(item: pytest.Item) -> bool:
+    """True when the item uses a module/session fixture defined in its own test module."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(item, "module", None)
+    if info is None or module is None:
+        return False
+    return any(d.scope in ("module", "session") and getattr(d.func, "__module__", None) == module.__name__
+               for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which turns the marker into the "@group" nodeid suffix
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the VM tests, and each module's tests that share a module fixture of their own (see above)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if item.get_closest_marker("vm"):
+            item.add_marker(pytest.mark.xdist_group(VM_GROUP))
+        elif _own_module_scoped(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
