@@ -135,10 +135,10 @@ def test_nan_and_inf_are_refused_with_exit_2(tmp_path: Path) -> None:
     r = subprocess.run(numaserve_argv("config", "check", str(bad)), capture_output=True, text=True, timeout=60,
                        cwd=str(REPO))
     assert r.returncode == 2 and "server.graceful_timeout = nan" in r.stderr and "finite" in r.stderr, r.stderr
-    env = dict(os.environ, NUMASERVE_OPS_DRAIN_TIMEOUT="inf")
+    env = dict(os.environ, NUMASERVE_SERVER_GRACEFUL_TIMEOUT="inf")
     r = subprocess.run(numaserve_argv("config", "show"), capture_output=True, text=True, timeout=60,
                        cwd=str(REPO), env=env)
-    assert r.returncode == 2 and "NUMASERVE_OPS_DRAIN_TIMEOUT" in r.stderr and "finite" in r.stderr, r.stderr
+    assert r.returncode == 2 and "NUMASERVE_SERVER_GRACEFUL_TIMEOUT" in r.stderr and "finite" in r.stderr, r.stderr
     with Running(ONE) as sup:
         for args, name in ((["restart", "--slot", "0", "--drain-timeout", "nan"], "--drain-timeout"),
                            (["drain", "--slot", "0", "--drain-timeout", "inf"], "--drain-timeout"),

@@ -86,12 +86,17 @@ def affinity(irq: int) -> str:
 
 
 def edit_config(replacements: dict[str, str]) -> None:
-    """An operator's edits to the installed example config (each line must be there once)."""
-    text = L.CONFIG.read_text()
+    """An operator's edits to the installed example config: each ``key = default`` line must be there
+    once; the shipped file has it commented out (``# key = default``), and the edit sets it."""
+    L.CONFIG.write_text(set_lines(L.CONFIG.read_text(), replacements))
+
+
+def set_lines(text: str, replacements: dict[str, str]) -> str:
+    """``text`` with each ``old`` line (commented out or not) replaced by ``new``, uncommented."""
     for old, new in replacements.items():
         assert text.count(old) == 1, f"{old!r} appears {text.count(old)} times in {L.CONFIG}"
-        text = text.replace(old, new)
-    L.CONFIG.write_text(text)
+        text = text.replace("# " + old if "# " + old in text else old, new)
+    return text
 
 
 def wait_serving(expect_nodes: set[int], timeout: float = 300) -> dict[str, Any]:
@@ -363,7 +368,7 @@ def test_refused_reload_keeps_serving_with_the_reason_in_the_journal() -> None:
     main = main_pid()
     gens = {s["slot"]: s["generation"] for s in L.status()["slots"]}
     good = L.CONFIG.read_text()
-    L.CONFIG.write_text(good.replace("graceful_timeout = 30.0", 'graceful_timeout = "soon"', 1))
+    L.CONFIG.write_text(set_lines(good, {"graceful_timeout = 30.0": 'graceful_timeout = "soon"'}))
     try:
         t0 = L.mono()
         r = L.systemctl("reload", UNIT, check=False)
