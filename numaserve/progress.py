@@ -134,17 +134,35 @@ class LoadBeat:
             _beat()
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread to end."""
+        """Stop beating and wait until the thread is gone, from the kernel too.
+
+        ``join`` returns when the thread's Python state is released, a moment
+        before the kernel task exits; a template that checks ``/proc/self/task``
+        in that moment (a busy CPU makes it long) would count the thread and
+        refuse to fork for its whole life."""
         self._stop.set()
         if self._thread is not None:
+            tid = self._thread.native_id
             self._thread.join()
             self._thread = None
+            if tid is not None:
+                wait_task_gone(tid)
 
     def __enter__(self) -> LoadBeat:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_task_gone(tid: int, timeout: float = 5.0, proc: str = "/proc") -> bool:
+    """Wait until this process's kernel task ``tid`` has exited (False after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"{proc}/self/task/{tid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def read_progress(path: str) -> dict[str, Any] | None:

@@ -52,8 +52,26 @@ def test_the_load_beat_stamps_and_its_thread_is_gone_after_stop(progress_file: P
         first = progress.read_progress(str(progress_file))["beat"]
         time.sleep(0.3)
         assert progress.read_progress(str(progress_file))["beat"] > first
-        assert any(t.name == "numaserve-load-beat" for t in threading.enumerate())
+        (beat,) = [t for t in threading.enumerate() if t.name == "numaserve-load-beat"]
+        tid = beat.native_id
+        assert os.path.exists(f"/proc/self/task/{tid}")
     assert not any(t.name == "numaserve-load-beat" for t in threading.enumerate())
+    assert not os.path.exists(f"/proc/self/task/{tid}")  # gone from the kernel too: a template forks next
+
+
+def test_stop_waits_for_the_kernel_task_not_only_the_join(tmp_path: Path) -> None:
+    """join() returns a moment before the kernel task exits; on a busy CPU a template's
+    thread check saw the exiting beat thread and refused every fork (CI, stop 39)."""
+    import threading
+
+    task = tmp_path / "self" / "task" / "4242"
+    task.mkdir(parents=True)
+    threading.Timer(0.2, task.rmdir).start()
+    t0 = time.monotonic()
+    assert progress.wait_task_gone(4242, timeout=5, proc=str(tmp_path))
+    assert time.monotonic() - t0 >= 0.15
+    task.mkdir()
+    assert not progress.wait_task_gone(4242, timeout=0.05, proc=str(tmp_path))
 
 
 def test_read_progress_of_garbage_is_none(tmp_path: Path) -> None:
