@@ -38,3 +38,15 @@ def test_auto_workers_are_one_per_cpu_for_unit_runs_and_two_when_slow_tests_wait
     assert pytest_xdist_auto_num_workers(config) == per_cpu * len(os.sched_getaffinity(0))  # type: ignore[arg-type]
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
     assert pytest_xdist_auto_num_workers(config) == 3  # type: ignore[arg-type]
+
+
+def test_the_vm_modules_split_into_two_chains_and_every_named_module_exists() -> None:
+    from pathlib import Path
+
+    from tests.conftest import VM_GROUPS, vm_group
+
+    root = Path(__file__).resolve().parents[2]
+    modules = sorted(str(p.relative_to(root)) for p in (root / "tests" / "vm").glob("test_*.py"))
+    assert set(VM_GROUPS) <= set(modules), f"stale entries: {set(VM_GROUPS) - set(modules)}"
+    groups = {m: vm_group(m + "::test_x") for m in modules}
+    assert set(groups.values()) == {"vm-a", "vm-b"}, groups
