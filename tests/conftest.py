@@ -26,10 +26,10 @@ import pytest
 if not os.environ.get("NUMASERVE_TEST_NO_BYTECODE"):
     sys.dont_write_bytecode = False
 
-#: The VM modules in two chains of about equal length (seconds one VM took alone, TCG, 2 CPUs: systemd
-#: 314, cpuset 150, template 59 | locality 184, binding 179, model 85). A module not named is "vm-b".
-VM_GROUPS = {"tests/vm/test_systemd_in_vm.py": "vm-a", "tests/vm/test_cpuset_vm.py": "vm-a",
-             "tests/vm/test_template_vm.py": "vm-a"}
+#: The VM modules in two chains of about equal length. Seconds each took with two VMs at a time
+#: (TCG, 2 CPUs, 2026-12-07): systemd 634, cpuset 139 | locality 269, model 209, binding 205,
+#: template 42. A module not named here is "vm-b".
+VM_GROUPS = {"tests/vm/test_systemd_in_vm.py": "vm-a", "tests/vm/test_cpuset_vm.py": "vm-a"}
 
 
 def vm_group(nodeid: str) -> str:
