@@ -154,11 +154,7 @@ async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
 async def _restart(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
-    op = sup.operations.start(
-        "restart", args, [s.plan.slot for s in slots],
-        lambda op: sup.operations.roll(op, slots, timeout, sup.table.cfg.ops.reload_parallel),
-    )
-    return _op_reply(op)
+    return _op_reply(sup.operations.restart(args, slots, timeout))
 
 
 @verb("reload", mutating=True)
