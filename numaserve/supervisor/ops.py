@@ -76,9 +76,12 @@ async def handle_ops_request(
     if not isinstance(req.args, dict):
         return OpsReply(ok=False, id=req.id, error="args must be a map")
     mutating = req.verb in MUTATING
+
+    def audit(ok: bool, result: str) -> None:
+        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=ok, result=result)
+
     if mutating and readonly:
-        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=False,
-                         result="refused: read-only socket")
+        audit(False, "refused: read-only socket")
         return OpsReply(ok=False, id=req.id,
                         error=f"{req.verb!r} changes the service: not allowed on the read-only socket")
     try:
@@ -93,15 +96,12 @@ async def handle_ops_request(
     else:
         reply = OpsReply(ok=True, id=req.id, result=result)
     if mutating:
-        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=reply.ok,
-                         result=reply.error if not reply.ok else _summary(reply.result))
+        audit(reply.ok, reply.error if not reply.ok else _summary(reply.result))
         op_id = reply.result.get("operation", {}).get("id") if reply.ok and isinstance(reply.result, dict) else None
         op = sup.operations.get(op_id) if op_id else None
         if op is not None:
             # the request was accepted; record how the operation it started ended
-            op.on_finish.append(lambda o: sup.audit.record(
-                who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=o.state == "succeeded",
-                result=f"operation {o.id} {o.state}: {o.result}"))
+            op.on_finish.append(lambda o: audit(o.state == "succeeded", f"operation {o.id} {o.state}: {o.result}"))
     return reply
 
 
