@@ -4,7 +4,8 @@ Read-only verbs (status, ...) are served on every ops socket, including the
 read-only one; mutating verbs only on the owner's socket (and CURVE TCP), and
 every mutating request is written to the audit log with who asked, what, and
 how it ended.  Unknown verbs and bad arguments get an error reply, never an
-exception in the supervisor.
+exception in the supervisor.  A verb that starts an operation returns the
+``Operation``: the handler renders it and audits how it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import structlog
 
 from numaserve.control.messages import OpsReply, OpsRequest
 from numaserve.errors import NumaserveError
+from numaserve.supervisor.operations import Operation
 from numaserve.supervisor.opsapi import (  # noqa: F401  (re-exported: the verbs' helpers)
     MAX_RATE,
     MAX_TIMEOUT_S,
@@ -84,8 +86,11 @@ async def handle_ops_request(
         audit(False, "refused: read-only socket")
         return OpsReply(ok=False, id=req.id,
                         error=f"{req.verb!r} changes the service: not allowed on the read-only socket")
+    op: Operation | None = None   # the operation the verb started, if it started one
     try:
         result = await handler(sup, req.args)
+        if isinstance(result, Operation):
+            op, result = result, _op_reply(result)
     except OpsArgError as e:
         reply = OpsReply(ok=False, id=req.id, error=str(e))
     except NumaserveError as e:
@@ -97,8 +102,6 @@ async def handle_ops_request(
         reply = OpsReply(ok=True, id=req.id, result=result)
     if mutating:
         audit(reply.ok, reply.error if not reply.ok else _summary(reply.result))
-        op_id = reply.result.get("operation", {}).get("id") if reply.ok and isinstance(reply.result, dict) else None
-        op = sup.operations.get(op_id) if op_id else None
         if op is not None:
             # the request was accepted; record how the operation it started ended
             op.on_finish.append(lambda o: audit(o.state == "succeeded", f"operation {o.id} {o.state}: {o.result}"))
@@ -129,7 +132,8 @@ def select_slots(sup: OpsTarget, args: dict[str, Any], *, allow_all: bool = Fals
     raise OpsArgError("name the slots: --slot S or --node N")
 
 
-def _op_reply(op: Any) -> dict[str, Any]:
+def _op_reply(op: Operation) -> dict[str, Any]:
+    """How a started operation is shown in the reply (verbs return the ``Operation``; the handler renders it)."""
     return {"operation": op.to_json(), "state": op.state}
 
 
@@ -137,30 +141,27 @@ def _op_reply(op: Any) -> dict[str, Any]:
 async def _drain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
-    op = sup.operations.start("drain", args, [s.plan.slot for s in slots],
-                              lambda op: sup.operations.drain_slots(op, slots, timeout))
-    return _op_reply(op)
+    return sup.operations.start("drain", args, [s.plan.slot for s in slots],
+                                lambda op: sup.operations.drain_slots(op, slots, timeout))
 
 
 @verb("undrain", mutating=True)
 async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args, allow_all=True)
-    op = sup.operations.start("undrain", args, [s.plan.slot for s in slots],
-                              lambda op: sup.operations.undrain_slots(op, slots))
-    return _op_reply(op)
+    return sup.operations.start("undrain", args, [s.plan.slot for s in slots],
+                                lambda op: sup.operations.undrain_slots(op, slots))
 
 
 @verb("restart", mutating=True)
 async def _restart(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
-    return _op_reply(sup.operations.restart(args, slots, timeout))
+    return sup.operations.restart(args, slots, timeout)
 
 
 @verb("reload", mutating=True)
 async def _reload(sup: OpsTarget, args: dict[str, Any]) -> Any:
-    op = sup.reloader.start(args)
-    return _op_reply(op)
+    return sup.reloader.start(args)
 
 
 @verb("operation", mutating=False)
