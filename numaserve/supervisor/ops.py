@@ -33,6 +33,7 @@ from numaserve.supervisor.opsapi import (  # noqa: F401  (re-exported: the verbs
     arg_rate,
     arg_ack_timeout,
     arg_timeout,
+    select_slots,
     verb,
 )
 
@@ -109,27 +110,6 @@ async def handle_ops_request(
 
 
 # ------------------------------------------------------------------ operations
-
-
-def select_slots(sup: OpsTarget, args: dict[str, Any], *, allow_all: bool = False) -> list[Any]:
-    """Slots named by ``slot`` or ``node`` (or every slot with ``all``)."""
-    slot = arg_int(args, "slot")
-    node = arg_int(args, "node")
-    if slot is not None and node is not None:
-        raise OpsArgError("give --slot or --node, not both")
-    if slot is not None:
-        if slot not in sup.table.slots:
-            raise OpsArgError(f"no slot {slot}; slots: {', '.join(str(s) for s in sup.table.slots)}")
-        return [sup.table.slots[slot]]
-    if node is not None:
-        chosen = [s for s in sup.table.slots.values() if s.plan.node == node]
-        if not chosen:
-            nodes = sorted({s.plan.node for s in sup.table.slots.values()})
-            raise OpsArgError(f"no slot on node {node}; nodes with slots: {', '.join(map(str, nodes))}")
-        return chosen
-    if allow_all or arg_bool(args, "all"):
-        return list(sup.table.slots.values())
-    raise OpsArgError("name the slots: --slot S or --node N")
 
 
 def _op_reply(op: Operation) -> dict[str, Any]:
