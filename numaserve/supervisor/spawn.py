@@ -202,13 +202,6 @@ def spawn(
         spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus)
         argv = [sys.executable, "-m", "numaserve.worker"]
         external = False
-    launch = build_launch_argv(
-        argv,
-        cpus=plan.cpus,
-        mempolicy=plan.mempolicy,
-        nodes=plan.memory_nodes,
-        ppid=os.getpid(),
-    )
     env = worker_env(base, plan, generation, spec, extra)
     env.pop(PROGRESS_ENV, None)
     if progress_file and spec is not None:
@@ -218,6 +211,14 @@ def spawn(
         forked = forker(plan, spec, env, listeners, token)
         if forked is not None:
             return forked, False, extra
+    # exec'd (no template, or it declined): through the trampoline, bound before the interpreter starts
+    launch = build_launch_argv(
+        argv,
+        cpus=plan.cpus,
+        mempolicy=plan.mempolicy,
+        nodes=plan.memory_nodes,
+        ppid=os.getpid(),
+    )
     token_fd = token_pipe(token) if token is not None and not external else -1
     env.pop(TOKEN_FD_ENV, None)
     if token_fd >= 0:

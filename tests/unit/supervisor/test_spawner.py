@@ -98,3 +98,22 @@ def test_node_cpus_follow_the_topology_and_are_empty_without_one(tmp_path: Path)
     assert spawner.node_cpus(0) == (0, 1) and spawner.node_cpus(7) == ()
     spawner.topology = None
     assert spawner.node_cpus(0) == ()
+
+
+def test_the_fork_path_builds_no_exec_command(tmp_path: Path, monkeypatch: Any) -> None:
+    from numaserve.supervisor import spawn
+
+    def no_exec(*a: Any, **kw: Any) -> list[str]:
+        raise AssertionError("build_launch_argv on the fork path")
+
+    monkeypatch.setattr(spawn, "build_launch_argv", no_exec)
+    spawner = Spawner(RuntimeDir(tmp_path), FakeChannel(), topology=None)  # type: ignore[arg-type]
+    templates = FakeTemplates()
+    spawner.templates = templates  # type: ignore[assignment]
+    sock = socket.socket()
+    try:
+        spawner.open(ListenerSet(by_slot={0: [Listener(0, "127.0.0.1", 8000, socket.AF_INET, sock)]}))
+        w = spawner(Config(), SlotPlan(slot=0, node=0, index=0, cpus=(0,), mempolicy="local", memory_nodes=()), 1, 0.0)
+    finally:
+        sock.close()
+    assert len(templates.forks) == 1 and w.popen.pid == 43211
