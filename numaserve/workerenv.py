@@ -95,8 +95,9 @@ def slot_env(
     generation: int = 0,
 ) -> dict[str, str]:
     """The variables numaserve sets for one slot (on top of ``inherited``)."""
+    cpu_list = format_list(cpus)
     values = {
-        "slot": str(slot), "node": str(node), "index": str(index), "cpus": format_list(cpus),
+        "slot": str(slot), "node": str(node), "index": str(index), "cpus": cpu_list,
         "ncpus": str(len(cpus)), "gpus": ",".join(gpus), "generation": str(generation),
     }
     operator: dict[str, str] = {}
@@ -125,7 +126,7 @@ def slot_env(
     out.update(
         NUMASERVE_SLOT=str(slot),
         NUMASERVE_NODE=str(node),
-        NUMASERVE_CPUS=format_list(cpus),
+        NUMASERVE_CPUS=cpu_list,
         NUMASERVE_GPUS=",".join(gpus),
         NUMASERVE_GENERATION=str(generation),
     )

@@ -1,6 +1,7 @@
 """The supervisor's end of the worker control channel: transport only.
 
-One ZeroMQ ROUTER socket; every decoded message goes to a callback
+One ZeroMQ ROUTER socket; every message is decoded here (``on_control_frames``:
+never raises, refused ones counted) and goes to a callback
 (``WorkerMessages.handle_worker_msg``: the supervisor decides what it means).
 Out: commands to one worker or to all, each matched with its Ack by
 (command id, slot, generation).  ``sticky`` commands are replayed to every
@@ -17,21 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from numaserve.control import messages as m
+from numaserve.control.peercred import PeerCred, peer_cred
 from numaserve.control.zmqwatch import ReadWatch
 from numaserve.control.zmqwatch import wake as _done
-from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S
 
-__all__ = ["COALESCE_S", "RECV_BATCH", "WorkerChannel"]
+__all__ = ["COALESCE_S", "RECV_BATCH", "WorkerChannel", "WorkerMessages", "frame_bytes", "on_control_frames"]
 
 log = structlog.get_logger("numaserve.supervisor")
+#: ``on_control_frames``'s events keep the logger they had in ``controlplane``
+control_log = structlog.get_logger("numaserve.ops")
 
 #: Messages taken from the socket per wake-up before yielding to the event loop:
 #: a burst (32 Acks of one command, one interval's heartbeats) costs one pass,
@@ -51,6 +54,43 @@ DRAIN_BATCHES = 16
 COALESCE_S = 0.02
 
 
+class WorkerMessages(Protocol):
+    """Where the worker channel hands each decoded message (transport only here)."""
+
+    def count_bad(self, channel: str, why: str) -> None: ...
+
+    def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None: ...
+
+
+def frame_bytes(f: Any) -> bytes:
+    """A received frame's bytes (pyzmq Frame or bytes): the receive paths take either, so they are fuzzed
+    without sockets."""
+    if isinstance(f, (bytes, bytearray)):
+        return bytes(f)
+    b = getattr(f, "bytes", None)
+    if isinstance(b, bytes):
+        return b
+    raise TypeError(f"not a frame: {type(f).__name__}")
+
+
+def on_control_frames(sup: WorkerMessages, frames: Sequence[Any]) -> None:
+    """One message from a worker: decode, check, hand to the supervisor.  Never raises."""
+    try:
+        if len(frames) != 2:
+            sup.count_bad("control", f"{len(frames)} frames")
+            return
+        identity, payload = frame_bytes(frames[0]), frame_bytes(frames[1])
+        try:
+            msg = m.decode_from_worker(payload)
+        except m.BadMessage as e:
+            sup.count_bad("control", str(e))
+            return
+        sup.handle_worker_msg(identity, msg, peer_cred(frames[1]))
+    except Exception as e:  # never let one message take the loop down
+        control_log.exception("control_handler_error", error=str(e))
+        sup.count_bad("control", f"{type(e).__name__}: {e}")
+
+
 class WorkerChannel:
     def __init__(self, slots: Mapping[int, S.SlotState]) -> None:
         self.slots = slots
@@ -68,7 +108,7 @@ class WorkerChannel:
         self.wakeups = 0          # receive passes (each: one wake-up of the loop for this socket)
         self.received = 0         # messages read
 
-    async def serve(self, handler: cp.WorkerMessages) -> None:
+    async def serve(self, handler: WorkerMessages) -> None:
         """Receive worker messages for good: wait until the socket is readable, handle what is queued
         (until EAGAIN, up to a batch), then pause to let the rest of the burst queue up (``COALESCE_S``,
         none while Acks are awaited).
@@ -125,7 +165,7 @@ class WorkerChannel:
         else:
             self._watch.release()   # stop watching the fd now, not after the next message
 
-    def _read_queued(self, handler: cp.WorkerMessages) -> int:
+    def _read_queued(self, handler: WorkerMessages) -> int:
         """Handle up to a batch of queued messages through the direct socket; how many."""
         sync = self._sync_sock()
         n = 0
@@ -135,7 +175,7 @@ class WorkerChannel:
             except zmq.ZMQError:   # EAGAIN: queue empty (the next poll re-checks before it waits)
                 break
             n += 1
-            cp.on_control_frames(handler, frames)
+            on_control_frames(handler, frames)
         self.received += n
         return n
 
@@ -170,7 +210,7 @@ class WorkerChannel:
             self._sync_of = self.sock
         return self._sync
 
-    def drain(self, handler: cp.WorkerMessages) -> int:
+    def drain(self, handler: WorkerMessages) -> int:
         """Handle every message already queued, now (no wait; 0 when the socket is not bound yet).
 
         Why: the receive loop pauses up to ``COALESCE_S`` between passes (and, held, until this is

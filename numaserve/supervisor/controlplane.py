@@ -1,4 +1,4 @@
-"""The supervisor's ZeroMQ control plane: socket options, and the receive paths.
+"""The supervisor's ZeroMQ control plane: socket options, and the ops receive path.
 
 Every socket the supervisor binds gets (``bind_socket``):
 
@@ -15,11 +15,11 @@ Every socket the supervisor binds gets (``bind_socket``):
 * ``LINGER 0``, and ``SNDHWM`` bounded on the stream (a slow subscriber
   loses events rather than growing the supervisor).
 
-The receive paths never raise and never starve the supervision loop: one
-message, then a yield to the event loop; ops requests are rate-limited per
-peer; malformed or refused messages are counted in ``bad_messages``.
-``on_ops_frames``/``on_control_frames`` take frames (pyzmq Frames or bytes)
-so they are fuzzed without sockets.
+The ops receive path never raises and never starves the supervision loop:
+one message, then a yield to the event loop; requests are rate-limited per
+peer; malformed or refused ones are counted in ``bad_messages``.
+``on_ops_frames`` takes frames (pyzmq Frames or bytes) so it is fuzzed
+without sockets.  The worker channel's receive path is ``channel.on_control_frames``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from numaserve.control import messages as m
 from numaserve.control.peercred import PeerCred, frame_property, peer_cred
+from numaserve.supervisor.channel import frame_bytes
 from numaserve.supervisor.curvekeys import AuthorizedKeys
 from numaserve.supervisor import opsflight
 from numaserve.supervisor.doorpeers import DoorPeers
@@ -53,9 +54,7 @@ __all__ = [
     "HANDSHAKE_IVL_MS",
     "MAX_OPS_BYTES",
     "bind_socket",
-    "on_control_frames",
     "on_ops_frames",
-    "serve_control",
     "serve_ops",
     "verified_who",
 ]
@@ -74,13 +73,6 @@ class OpsGate(Protocol):
     def count_bad(self, channel: str, why: str) -> None: ...
 
 
-class WorkerMessages(Protocol):
-    """Where the worker channel hands each decoded message (transport only here)."""
-
-    def count_bad(self, channel: str, why: str) -> None: ...
-
-    def handle_worker_msg(self, identity: bytes, msg: m.WorkerToSupervisor, peer: PeerCred | None = None) -> None: ...
-
 MAX_OPS_BYTES = 64 * 1024
 HANDSHAKE_IVL_MS = 5000
 MAX_SUBSCRIPTION_BYTES = 256   # a subscription frame: 1 flag byte + a topic prefix ("event", "stats")
@@ -92,15 +84,6 @@ RATE_LIMITED_DELAY_MAX = 2.0
 STATUS_TTL = 0.5                # the read-only socket's status is at most this old
 DELAYED_MAX = 1024              # rate-limited replies waiting on one socket; past that answered at once
 _CLAIMED_TEXT = 200
-
-
-def _frame_bytes(f: Any) -> bytes:
-    if isinstance(f, (bytes, bytearray)):
-        return bytes(f)
-    b = getattr(f, "bytes", None)
-    if isinstance(b, bytes):
-        return b
-    raise TypeError(f"not a frame: {type(f).__name__}")
 
 
 def bind_socket(ctx: zmq.asyncio.Context, kind: int, endpoint: str, **opts: Any) -> zmq.asyncio.Socket:
@@ -209,11 +192,11 @@ def admit(sup: OpsGate, frames: Sequence[Any], channel: str) -> Admitted | Answe
         if not frames:
             sup.count_bad("ops", "empty message")
             return None
-        identity = _frame_bytes(frames[0])
+        identity = frame_bytes(frames[0])
         last = frames[-1]
-        payload = _frame_bytes(last)
+        payload = frame_bytes(last)
         # REQ clients send [identity, b"", payload]; DEALER clients [identity, payload]
-        envelope = [identity, b""] if len(frames) == 3 and _frame_bytes(frames[1]) == b"" else [identity]
+        envelope = [identity, b""] if len(frames) == 3 and frame_bytes(frames[1]) == b"" else [identity]
         if len(frames) not in (2, 3) or len(payload) > MAX_OPS_BYTES:
             sup.count_bad("ops", f"{len(frames)} frames / {len(payload)} bytes")
             return Answer(envelope + [_encode_reply(m.OpsReply(ok=False, error="malformed request"))])
@@ -376,30 +359,3 @@ async def serve_ops(sup: OpsTarget, gate: OpsGate, sock: zmq.asyncio.Socket, cha
         for h in delayed:
             h.cancel()
         await flight.cancel_all()
-
-
-# -------------------------------------------------------------------- control
-
-
-def on_control_frames(sup: WorkerMessages, frames: Sequence[Any]) -> None:
-    """One message from a worker: decode, check, hand to the supervisor.  Never raises."""
-    try:
-        if len(frames) != 2:
-            sup.count_bad("control", f"{len(frames)} frames")
-            return
-        identity, payload = _frame_bytes(frames[0]), _frame_bytes(frames[1])
-        try:
-            msg = m.decode_from_worker(payload)
-        except m.BadMessage as e:
-            sup.count_bad("control", str(e))
-            return
-        sup.handle_worker_msg(identity, msg, peer_cred(frames[1]))
-    except Exception as e:  # never let one message take the loop down
-        log.exception("control_handler_error", error=str(e))
-        sup.count_bad("control", f"{type(e).__name__}: {e}")
-
-
-async def serve_control(sup: WorkerMessages, sock: zmq.asyncio.Socket) -> None:
-    async for frames in _messages(sock, "control"):
-        on_control_frames(sup, frames)
-        await asyncio.sleep(0)

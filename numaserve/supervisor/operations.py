@@ -268,6 +268,11 @@ class Operations:
         self.routing.steer()
         return f"serving slots {[s.plan.slot for s in slots]}"
 
+    def restart(self, args: dict[str, Any], slots: list[S.SlotState], timeout: float) -> Operation:
+        """The ``restart`` operation: replace ``slots`` make-before-break, ``ops.reload_parallel`` at a time."""
+        return self.start("restart", args, [s.plan.slot for s in slots],
+                          lambda op: self.roll(op, slots, timeout, self.ctl.cfg.ops.reload_parallel))
+
     async def roll(self, op: Operation, slots: list[S.SlotState], timeout: float, parallel: int) -> str:
         """Replace slots ``parallel`` at a time; stop at the first failure.
 

@@ -4,7 +4,8 @@ Read-only verbs (status, ...) are served on every ops socket, including the
 read-only one; mutating verbs only on the owner's socket (and CURVE TCP), and
 every mutating request is written to the audit log with who asked, what, and
 how it ended.  Unknown verbs and bad arguments get an error reply, never an
-exception in the supervisor.
+exception in the supervisor.  A verb that starts an operation returns the
+``Operation``: the handler renders it and audits how it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import structlog
 
 from numaserve.control.messages import OpsReply, OpsRequest
 from numaserve.errors import NumaserveError
+from numaserve.supervisor.operations import Operation
 from numaserve.supervisor.opsapi import (  # noqa: F401  (re-exported: the verbs' helpers)
     MAX_RATE,
     MAX_TIMEOUT_S,
@@ -31,6 +33,7 @@ from numaserve.supervisor.opsapi import (  # noqa: F401  (re-exported: the verbs
     arg_rate,
     arg_ack_timeout,
     arg_timeout,
+    select_slots,
     verb,
 )
 
@@ -76,13 +79,19 @@ async def handle_ops_request(
     if not isinstance(req.args, dict):
         return OpsReply(ok=False, id=req.id, error="args must be a map")
     mutating = req.verb in MUTATING
+
+    def audit(ok: bool, result: str) -> None:
+        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=ok, result=result)
+
     if mutating and readonly:
-        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=False,
-                         result="refused: read-only socket")
+        audit(False, "refused: read-only socket")
         return OpsReply(ok=False, id=req.id,
                         error=f"{req.verb!r} changes the service: not allowed on the read-only socket")
+    op: Operation | None = None   # the operation the verb started, if it started one
     try:
         result = await handler(sup, req.args)
+        if isinstance(result, Operation):
+            op, result = result, _op_reply(result)
     except OpsArgError as e:
         reply = OpsReply(ok=False, id=req.id, error=str(e))
     except NumaserveError as e:
@@ -93,43 +102,18 @@ async def handle_ops_request(
     else:
         reply = OpsReply(ok=True, id=req.id, result=result)
     if mutating:
-        sup.audit.record(who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=reply.ok,
-                         result=reply.error if not reply.ok else _summary(reply.result))
-        op_id = reply.result.get("operation", {}).get("id") if reply.ok and isinstance(reply.result, dict) else None
-        op = sup.operations.get(op_id) if op_id else None
+        audit(reply.ok, reply.error if not reply.ok else _summary(reply.result))
         if op is not None:
             # the request was accepted; record how the operation it started ended
-            op.on_finish.append(lambda o: sup.audit.record(
-                who=who, channel=channel, verb=req.verb, args=req.args, op_id=req.id, ok=o.state == "succeeded",
-                result=f"operation {o.id} {o.state}: {o.result}"))
+            op.on_finish.append(lambda o: audit(o.state == "succeeded", f"operation {o.id} {o.state}: {o.result}"))
     return reply
 
 
 # ------------------------------------------------------------------ operations
 
 
-def select_slots(sup: OpsTarget, args: dict[str, Any], *, allow_all: bool = False) -> list[Any]:
-    """Slots named by ``slot`` or ``node`` (or every slot with ``all``)."""
-    slot = arg_int(args, "slot")
-    node = arg_int(args, "node")
-    if slot is not None and node is not None:
-        raise OpsArgError("give --slot or --node, not both")
-    if slot is not None:
-        if slot not in sup.table.slots:
-            raise OpsArgError(f"no slot {slot}; slots: {', '.join(str(s) for s in sup.table.slots)}")
-        return [sup.table.slots[slot]]
-    if node is not None:
-        chosen = [s for s in sup.table.slots.values() if s.plan.node == node]
-        if not chosen:
-            nodes = sorted({s.plan.node for s in sup.table.slots.values()})
-            raise OpsArgError(f"no slot on node {node}; nodes with slots: {', '.join(map(str, nodes))}")
-        return chosen
-    if allow_all or arg_bool(args, "all"):
-        return list(sup.table.slots.values())
-    raise OpsArgError("name the slots: --slot S or --node N")
-
-
-def _op_reply(op: Any) -> dict[str, Any]:
+def _op_reply(op: Operation) -> dict[str, Any]:
+    """How a started operation is shown in the reply (verbs return the ``Operation``; the handler renders it)."""
     return {"operation": op.to_json(), "state": op.state}
 
 
@@ -137,34 +121,27 @@ def _op_reply(op: Any) -> dict[str, Any]:
 async def _drain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
-    op = sup.operations.start("drain", args, [s.plan.slot for s in slots],
-                              lambda op: sup.operations.drain_slots(op, slots, timeout))
-    return _op_reply(op)
+    return sup.operations.start("drain", args, [s.plan.slot for s in slots],
+                                lambda op: sup.operations.drain_slots(op, slots, timeout))
 
 
 @verb("undrain", mutating=True)
 async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args, allow_all=True)
-    op = sup.operations.start("undrain", args, [s.plan.slot for s in slots],
-                              lambda op: sup.operations.undrain_slots(op, slots))
-    return _op_reply(op)
+    return sup.operations.start("undrain", args, [s.plan.slot for s in slots],
+                                lambda op: sup.operations.undrain_slots(op, slots))
 
 
 @verb("restart", mutating=True)
 async def _restart(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
-    op = sup.operations.start(
-        "restart", args, [s.plan.slot for s in slots],
-        lambda op: sup.operations.roll(op, slots, timeout, sup.table.cfg.ops.reload_parallel),
-    )
-    return _op_reply(op)
+    return sup.operations.restart(args, slots, timeout)
 
 
 @verb("reload", mutating=True)
 async def _reload(sup: OpsTarget, args: dict[str, Any]) -> Any:
-    op = sup.reloader.start(args)
-    return _op_reply(op)
+    return sup.reloader.start(args)
 
 
 @verb("operation", mutating=False)

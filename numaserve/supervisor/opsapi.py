@@ -1,4 +1,4 @@
-"""The ops verb registry, argument checks, and what a verb may touch.
+"""The ops verb registry, argument checks (the slots the args name included), and what a verb may touch.
 
 Handlers (``ops.py``, ``ops_cache.py``) register with ``@verb`` and receive an
 ``OpsTarget``: the supervisor in production, a fake in unit tests.  They never
@@ -138,3 +138,24 @@ def arg_float(args: dict[str, Any], name: str, default: float) -> float:
     v = arg_timeout(args, name, default)
     assert v is not None
     return v
+
+
+def select_slots(sup: OpsTarget, args: dict[str, Any], *, allow_all: bool = False) -> list[Any]:
+    """Slots named by ``slot`` or ``node`` (or every slot with ``all``)."""
+    slot = arg_int(args, "slot")
+    node = arg_int(args, "node")
+    if slot is not None and node is not None:
+        raise OpsArgError("give --slot or --node, not both")
+    if slot is not None:
+        if slot not in sup.table.slots:
+            raise OpsArgError(f"no slot {slot}; slots: {', '.join(str(s) for s in sup.table.slots)}")
+        return [sup.table.slots[slot]]
+    if node is not None:
+        chosen = [s for s in sup.table.slots.values() if s.plan.node == node]
+        if not chosen:
+            nodes = sorted({s.plan.node for s in sup.table.slots.values()})
+            raise OpsArgError(f"no slot on node {node}; nodes with slots: {', '.join(map(str, nodes))}")
+        return chosen
+    if allow_all or arg_bool(args, "all"):
+        return list(sup.table.slots.values())
+    raise OpsArgError("name the slots: --slot S or --node N")

@@ -33,7 +33,7 @@ from numaserve.errors import NumaserveError
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import fdbudget
 from numaserve.supervisor.admin import ADMIN_MAX_CONNECTIONS, AdminHandle, LoopHeartbeat, SupervisorView, open_admin_socket, start_admin
-from numaserve.supervisor.channel import WorkerChannel
+from numaserve.supervisor.channel import WorkerChannel, WorkerMessages
 from numaserve.supervisor.curvekeys import AuthorizedKeys
 from numaserve.supervisor.doorpeers import DoorPeers
 from numaserve.supervisor.events import EventStream
@@ -138,7 +138,7 @@ class OpsPlane:
                                         max_connections=plan.caps["ops-tcp"], idle_timeout=idle))
 
     async def start(self, cfg: Config, target: OpsTarget, view: SupervisorView, channel: WorkerChannel,
-                    messages: cp.WorkerMessages, heartbeat: LoopHeartbeat,
+                    messages: WorkerMessages, heartbeat: LoopHeartbeat,
                     cpu_node: dict[int, int] | None) -> None:
         """Serve the worker channel, the ops sockets, the front doors and the admin endpoint."""
         self.tasks = [

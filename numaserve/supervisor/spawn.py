@@ -148,19 +148,12 @@ def numaserve_env(cfg: Config, base: Mapping[str, str], plan: SlotPlan, generati
     return env
 
 
-def worker_env(base: Mapping[str, str], plan: SlotPlan, generation: int, spec: WorkerSpec | None,
-               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def worker_env(base: Mapping[str, str], spec: WorkerSpec | None, extra: Mapping[str, str]) -> dict[str, str]:
+    """The worker's whole environment: ``base``, then ``extra`` (``numaserve_env``: the slot's
+    ``NUMASERVE_*`` identity over the operator's variables), unbuffered output and the spec."""
     env = dict(base)
-    env.update(extra or {})
-    env.update(
-        NUMASERVE_SLOT=str(plan.slot),
-        NUMASERVE_NODE=str(plan.node),
-        NUMASERVE_GENERATION=str(generation),
-        NUMASERVE_CPUS=format_list(plan.cpus),
-        NUMASERVE_MEMPOLICY=plan.mempolicy
-        + (":" + format_list(plan.memory_nodes) if plan.memory_nodes else ""),
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
     if spec is not None:
         env[SPEC_ENV] = spec.to_env()
     else:
@@ -202,14 +195,7 @@ def spawn(
         spec = worker_spec(cfg, plan, generation, listeners, control, node_cpus)
         argv = [sys.executable, "-m", "numaserve.worker"]
         external = False
-    launch = build_launch_argv(
-        argv,
-        cpus=plan.cpus,
-        mempolicy=plan.mempolicy,
-        nodes=plan.memory_nodes,
-        ppid=os.getpid(),
-    )
-    env = worker_env(base, plan, generation, spec, extra)
+    env = worker_env(base, spec, extra)
     env.pop(PROGRESS_ENV, None)
     if progress_file and spec is not None:
         env[PROGRESS_ENV] = progress_file
@@ -218,6 +204,14 @@ def spawn(
         forked = forker(plan, spec, env, listeners, token)
         if forked is not None:
             return forked, False, extra
+    # exec'd (no template, or it declined): through the trampoline, bound before the interpreter starts
+    launch = build_launch_argv(
+        argv,
+        cpus=plan.cpus,
+        mempolicy=plan.mempolicy,
+        nodes=plan.memory_nodes,
+        ppid=os.getpid(),
+    )
     token_fd = token_pipe(token) if token is not None and not external else -1
     env.pop(TOKEN_FD_ENV, None)
     if token_fd >= 0:

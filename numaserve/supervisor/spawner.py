@@ -43,6 +43,7 @@ class Spawner:
 
     def __init__(self, runtime: RuntimeDir, channel: WorkerChannel, *, topology: Topology | None) -> None:
         self.runtime = runtime
+        self.control = runtime.endpoint(CONTROL_SOCKET)   # where every worker connects: fixed with the runtime dir
         self.channel = channel
         self.topology = topology
         self.templates: TemplateManager | None = None
@@ -58,7 +59,7 @@ class Spawner:
         token = workerauth.new_token()
         progress = progress_file(self.runtime, f"slot{plan.slot}-gen{generation}")
         popen, external, env = spawn(
-            cfg, plan, generation, fds, self.runtime.endpoint(CONTROL_SOCKET),
+            cfg, plan, generation, fds, self.control,
             all_gpus=self.topology.gpus if self.topology else (),
             node_cpus=self.node_cpus(plan.node), token=token,
             forker=self.templates.forker() if self.templates is not None else None,

@@ -57,21 +57,6 @@ SPILL_REASONS = ("cpu", "stalled", "limit")
 FULL_SHARE = 0.9
 
 
-def without_fd_limited(healthy: Sequence[int], fd_limited: Iterable[int]) -> list[int]:
-    """The healthy slots minus those whose worker is at its open-file limit (``fd_limited`` in its Stats).
-
-    A worker out of fds resets every connection it is given (uvloop's EMFILE
-    trick) or leaves it queued: with slot 0 at 64/64 fds, 21 of 40 new
-    requests failed.  It is steered around like a hung worker until its
-    fd watch clears the mark (``worker.fdwatch.RECENT_S`` after the last hit).
-    When every healthy slot is limited, all keep their share: no slot better
-    than another is left to send to.
-    """
-    limited = set(fd_limited)
-    left = [s for s in healthy if s not in limited]
-    return left if left else list(healthy)
-
-
 class HotSet:
     """Which slots of each crowded node take new connections; see the module docstring.
 

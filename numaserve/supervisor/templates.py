@@ -287,7 +287,7 @@ class TemplateManager:
         base = os.environ
         gpus = self.gpus()
         extra = numaserve_env(cfg, base, first, 0, gpus)
-        env = worker_env(base, first, 0, None, extra)
+        env = worker_env(base, None, extra)
         for k in ("NUMASERVE_SLOT", "NUMASERVE_GENERATION", TOKEN_FD_ENV):
             env.pop(k, None)
         return env, cpus, first

@@ -25,6 +25,7 @@ from numaserve.bind.placement import Plan, SlotPlan
 from numaserve.config import Config
 from numaserve.control import messages as m
 from numaserve.runtime import RuntimeDir
+from numaserve.supervisor import channel as ch
 from numaserve.supervisor import controlplane as cp
 from numaserve.supervisor import slots as S
 from numaserve.supervisor.arbiter import Supervisor
@@ -81,6 +82,9 @@ def close(sup: Supervisor) -> None:
 def caught(monkeypatch: pytest.MonkeyPatch) -> _Exceptions:
     rec = _Exceptions(cp.log)
     monkeypatch.setattr(cp, "log", rec)
+    control = _Exceptions(ch.control_log)
+    control.caught = rec.caught   # one list: a catch-all in either receive path fails the test
+    monkeypatch.setattr(ch, "control_log", control)
     import numaserve.supervisor.ops as ops_mod
 
     monkeypatch.setattr(ops_mod, "log", _Exceptions(ops_mod.log))
@@ -159,7 +163,7 @@ def test_control_frames_never_raise_and_are_counted(tmp_path: Path, caught: _Exc
     try:
         w = sup.table.slots[0].worker
         before = sup.messages.bad_messages
-        cp.on_control_frames(sup.messages, frames)
+        ch.on_control_frames(sup.messages, frames)
         assert caught.caught == []
         # nothing a stranger sends is accepted: without the spawn token no Hello is,
         # and without a Hello nothing else is
@@ -215,16 +219,16 @@ def test_a_verified_hello_then_nan_stats_are_refused(tmp_path: Path, caught: _Ex
     try:
         async def go() -> None:
             hello = m.Hello(slot=0, generation=1, pid=NO_SUCH_PID, token="t" * 32)
-            cp.on_control_frames(sup.messages, [b"me", m.encode(hello)])
+            ch.on_control_frames(sup.messages, [b"me", m.encode(hello)])
             w = sup.table.slots[0].worker
             assert w is not None and w.identity == b"me"
             bad = sup.messages.bad_messages
             for msg in (m.Stats(slot=0, generation=1, requests=1, inflight=0, latency_ms={"p50": math.nan}),
                         m.Stats(slot=0, generation=1, requests=1, inflight=0, extra={"latency_buckets": [-1]}),
                         m.Heartbeat(slot=0, generation=1, loop_lag=math.inf, mono=0.0)):
-                cp.on_control_frames(sup.messages, [b"me", m.encode(msg)])
+                ch.on_control_frames(sup.messages, [b"me", m.encode(msg)])
             assert sup.messages.bad_messages == bad + 3 and w.stats is None
-            cp.on_control_frames(sup.messages, [b"me", m.encode(m.Stats(slot=0, generation=1, requests=5, inflight=1))])
+            ch.on_control_frames(sup.messages, [b"me", m.encode(m.Stats(slot=0, generation=1, requests=5, inflight=1))])
             assert w.stats is not None and w.stats.requests == 5
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
@@ -241,7 +245,7 @@ def test_stats_riding_on_a_beat_are_checked_and_the_beat_stands(tmp_path: Path, 
     try:
         async def go() -> None:
             hello = m.Hello(slot=0, generation=1, pid=NO_SUCH_PID, token="t" * 32)
-            cp.on_control_frames(sup.messages, [b"me", m.encode(hello)])
+            ch.on_control_frames(sup.messages, [b"me", m.encode(hello)])
             w = sup.table.slots[0].worker
             assert w is not None and w.identity == b"me"
             bad = sup.messages.bad_messages
@@ -249,12 +253,12 @@ def test_stats_riding_on_a_beat_are_checked_and_the_beat_stands(tmp_path: Path, 
             foreign = m.Stats(slot=1, generation=1, requests=9, inflight=0)
             for stats in (nan_stats, foreign):
                 w.last_beat = 0.0
-                cp.on_control_frames(sup.messages, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.25,
+                ch.on_control_frames(sup.messages, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.25,
                                                                       mono=1.0, stats=stats))])
                 assert w.last_beat > 0.0 and w.loop_lag == 0.25 and w.stats is None
             assert sup.messages.bad_messages == bad + 2
             good = m.Stats(slot=0, generation=1, requests=7, inflight=2, rss_bytes=4096)
-            cp.on_control_frames(sup.messages, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=2.0,
+            ch.on_control_frames(sup.messages, [b"me", m.encode(m.Heartbeat(slot=0, generation=1, loop_lag=0.0, mono=2.0,
                                                                   stats=good))])
             assert w.stats == good and w.rss_bytes == 4096 and w.loop_lag == 0.0
             assert sup.messages.bad_messages == bad + 2

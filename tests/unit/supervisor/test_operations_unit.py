@@ -206,3 +206,24 @@ def test_roll_fails_when_an_old_worker_never_exits() -> None:
         assert all(sl.worker.generation == 2 for sl in f.slots.values())  # both replacements serve
 
     asyncio.run(main())
+
+
+def test_restart_is_one_call_that_rolls_reload_parallel_slots_at_a_time() -> None:
+    async def main() -> None:
+        cfg = Config()
+        cfg.ops.reload_parallel = 2
+        f = serving(3, cfg=cfg)
+        ops = Operations(f, f)
+        args = {"all": True}
+        op = ops.restart(args, list(f.slots.values()), 5.0)
+        assert ops.get(op.id) is op and ops.current is op
+        assert (op.kind, op.args, op.slots) == ("restart", args, [0, 1, 2])
+        await asyncio.wait_for(op.done.wait(), 5)
+        assert op.state == "succeeded" and op.result == "replaced 3 slot(s)", op.result
+        # slots 0 and 1 are one batch (both spawned before either is Ready), slot 2 the next
+        assert f.calls[:2] == [("spawn", 0, 2), ("spawn", 1, 2)]
+        assert f.calls.index(("spawn", 2, 2)) > max(f.calls.index(("drain", 0, 1)), f.calls.index(("drain", 1, 1)))
+        assert all(sl.worker.generation == 2 and sl.state == S.READY for sl in f.slots.values())
+        assert all(sl.totals_before.restarts_by_reason == {"restart": 1} for sl in f.slots.values())
+
+    asyncio.run(main())

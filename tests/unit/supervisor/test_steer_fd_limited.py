@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from numaserve.supervisor.steer import without_fd_limited
+from numaserve.supervisor.routing import without_fd_limited
 
 
 def test_fd_limited_slots_are_left_out_until_they_recover() -> None:
