@@ -32,8 +32,11 @@ __all__ = ["CPU_BUDGET", "LocalityWatch"]
 
 log = structlog.get_logger("numaserve.locality")
 
-#: Fraction of one CPU all locality samples together may take (1 %).
-CPU_BUDGET = 0.01
+#: Fraction of one CPU all locality samples together may take (0.2 %).  At 1 % the sampler was
+#: ~80 % of an idle supervisor's CPU with 32 workers (1.1-1.6 % in all, against the 0.5 % the
+#: supervisor is held to, docs/benchmarks.md § 5).  Six small workers are still sampled every
+#: ``placement.locality_interval`` (10 s); 32 small ones about every 50 s, larger ones less often.
+CPU_BUDGET = 0.002
 #: CPU seconds of sampling in one tick: workers started together fall due together, and 32 of them
 #: in one go would hold the supervision loop for ~70 ms; the rest are sampled on the next ticks.
 TICK_BUDGET_S = 0.02

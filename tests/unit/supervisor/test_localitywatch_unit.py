@@ -154,15 +154,16 @@ def test_recycle_waits_for_a_running_operation_then_happens() -> None:
 def test_expensive_samples_are_spaced_to_the_cpu_budget_and_zero_interval_is_off() -> None:
     f = serving(2, cfg(locality_interval=1.0))
     world = World()
-    world.cost = 0.05                  # 50 ms a sample, 2 workers: one round per 10 s for 1 %
+    world.cost = 5.25 * CPU_BUDGET     # 2 workers at this cost a sample: one round per 10.5 s within the budget
     lw = watch(f, world)
     for t in range(0, 31):
         lw.tick(float(t))
-    # over a tick's share each: slot 0 at 0, 10, 20, 30 and slot 1 a tick later, at 1, 11, 21
-    assert len(world.sampled) == 7
-    assert lw.status(f.slots[0])["interval_s"] == round(0.05 * 2 / CPU_BUDGET, 1)
+    # rounds at 0, then at the first tick past each 10.5 s: 0, 11, 22 (slot 1 with slot 0, or a tick later)
+    assert len(world.sampled) == 6, world.sampled
+    assert lw.status(f.slots[0])["interval_s"] == 10.5
     summary = lw.summary()
-    assert summary["samples"] == 7 and summary["cpu_s"] == 0.35 and summary["cpu_budget"] == CPU_BUDGET
+    assert summary["samples"] == 6 and summary["cpu_s"] == round(6 * world.cost, 6)
+    assert summary["cpu_budget"] == CPU_BUDGET
     assert summary["cpu_s"] / 30.0 <= CPU_BUDGET * 1.5        # the budget holds over the run (first round at 0)
     off = serving(1, cfg(locality_interval=0.0))
     world2 = World()
