@@ -268,6 +268,18 @@ class Operations:
         self.routing.steer()
         return f"serving slots {[s.plan.slot for s in slots]}"
 
+    # The ops verbs' operations: each names its slots and its body (``numaserve.supervisor.ops``
+    # checks the arguments and renders the ``Operation`` these return).
+
+    def drain(self, args: dict[str, Any], slots: list[S.SlotState], timeout: float) -> Operation:
+        """The ``drain`` operation: take ``slots`` out of rotation, waiting up to ``timeout`` for their requests."""
+        return self.start("drain", args, [s.plan.slot for s in slots],
+                          lambda op: self.drain_slots(op, slots, timeout))
+
+    def undrain(self, args: dict[str, Any], slots: list[S.SlotState]) -> Operation:
+        """The ``undrain`` operation: put ``slots`` back into rotation."""
+        return self.start("undrain", args, [s.plan.slot for s in slots], lambda op: self.undrain_slots(op, slots))
+
     def restart(self, args: dict[str, Any], slots: list[S.SlotState], timeout: float) -> Operation:
         """The ``restart`` operation: replace ``slots`` make-before-break, ``ops.reload_parallel`` at a time."""
         return self.start("restart", args, [s.plan.slot for s in slots],

@@ -121,15 +121,13 @@ def _op_reply(op: Operation) -> dict[str, Any]:
 async def _drain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args)
     timeout = arg_float(args, "timeout", sup.table.cfg.server.graceful_timeout)
-    return sup.operations.start("drain", args, [s.plan.slot for s in slots],
-                                lambda op: sup.operations.drain_slots(op, slots, timeout))
+    return sup.operations.drain(args, slots, timeout)
 
 
 @verb("undrain", mutating=True)
 async def _undrain(sup: OpsTarget, args: dict[str, Any]) -> Any:
     slots = select_slots(sup, args, allow_all=True)
-    return sup.operations.start("undrain", args, [s.plan.slot for s in slots],
-                                lambda op: sup.operations.undrain_slots(op, slots))
+    return sup.operations.undrain(args, slots)
 
 
 @verb("restart", mutating=True)

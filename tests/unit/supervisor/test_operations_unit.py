@@ -227,3 +227,20 @@ def test_restart_is_one_call_that_rolls_reload_parallel_slots_at_a_time() -> Non
         assert all(sl.totals_before.restarts_by_reason == {"restart": 1} for sl in f.slots.values())
 
     asyncio.run(main())
+
+
+def test_drain_and_undrain_are_one_call_each_with_their_slots_and_args() -> None:
+    async def main() -> None:
+        f = serving(2)
+        ops = Operations(f, f)
+        slot = f.slots[1]
+        op = ops.drain({"slot": 1}, [slot], 2.0)
+        assert ops.current is op and (op.kind, op.args, op.slots) == ("drain", {"slot": 1}, [1])
+        await asyncio.wait_for(op.done.wait(), 5)
+        assert op.state == "succeeded" and slot.state == S.DRAINED, op.result
+        op = ops.undrain({"slot": 1}, [slot])
+        assert (op.kind, op.slots) == ("undrain", [1])
+        await asyncio.wait_for(op.done.wait(), 5)
+        assert op.state == "succeeded" and slot.state == S.READY and f.calls[-1] == ("steer", (0, 1))
+
+    asyncio.run(main())
