@@ -66,6 +66,9 @@ OTHER_THREADS_BUSY = 0.5
 #: A probe later than its period plus this means the loop had work queued (it was not waiting
 #: in poll); covers the 1 ms timer resolution of uvloop.
 BUSY_LAG_S = 0.0005
+#: The loop counts as refusing (a sentinel then leaves it no queued connection) until this many of its
+#: iterations (probe firings) passed without a refusal for CPU.
+REFUSING_ITERATIONS = 2
 #: What a request costs before any was measured.
 REQUEST_CPU_PRIOR_S = 0.002
 #: The per-request CPU is the lowest of this many recent windows.
@@ -254,6 +257,8 @@ class CpuGate:
         self.waiting = 0       # requests waiting for CPU at the last short-of-CPU decision, less those done since
         self._max_inflight = 0
         self._last_shed = -math.inf
+        self._loop_shed_at = -math.inf   # the loop's own last "cpu" refusal (not a sentinel's) ...
+        self._refusing = 0               # ... and the loop iterations left before it counts as not refusing
         self._overloaded = False
         self._cpu_at: float | None = None
         self._cpu_loop = 0.0
@@ -298,6 +303,8 @@ class CpuGate:
         """A probe fired ``lag`` seconds late (``loop_ran``: the loop thread's CPU since the
         previous firing, if the shell measured it; see ``LagTracker.sample``)."""
         tr = self.lag
+        if self._refusing and self._loop_shed_at < tr.at:   # an iteration without a refusal for CPU
+            self._refusing -= 1
         if lag <= tr.busy_lag:           # an idle moment: a new busy spell starts after it
             self._spell_at, self._spell_n = now, self._arrivals
         elif now - tr.at > lag + tr.period + BUSY_LAG_S:   # idle before this (late) firing
@@ -483,7 +490,12 @@ class CpuGate:
         Left in the queue, the loop would refuse them itself, a call and a
         loop iteration later (issue 32: the sentinel kept ~2 behind each 20 ms
         call at 2x capacity, and most 503s on new connections waited a
-        quarter of a second for the loop).  With nothing waiting behind the
+        quarter of a second for the loop).  While the loop itself is refusing
+        requests for CPU (``loop_refusing``) none stays: the loop has
+        more work than CPU from its open connections (keep-alive clients),
+        and a connection left for it was refused a loop iteration later
+        (2x capacity, blocking: 68 of 76 new-connection 503s came from the
+        loop, p50 66 ms, where the sentinel's took 19 ms).  With nothing waiting behind the
         call at least ``stall_queue`` stay (so the loop has work the moment it
         is back).  A 5 ms handler that blocks the loop is a stall every call;
         8 clients of it queue ~35 ms and are all served, while behind a 20 ms
@@ -494,6 +506,10 @@ class CpuGate:
             return 0
         if stalled_for < self.stall_limit(now):
             return 0
+        if self.loop_refusing(now):
+            # the loop itself refuses what it already reads (keep-alive requests beyond its CPU):
+            # a connection left here would wait a call and an iteration for the same 503
+            return accept_queue
         cpu = self.request_cpu_s
         behind = max(0, self.waiting - 1)
         back_in = (cpu - stalled_for if stalled_for < cpu else stalled_for) + behind * cpu
@@ -502,6 +518,12 @@ class CpuGate:
         if behind == 0:
             keep = max(keep, self.s.stall_queue)
         return max(0, accept_queue - keep)
+
+    def loop_refusing(self, now: float) -> bool:
+        """The loop refused a request for CPU in one of its last ``REFUSING_ITERATIONS`` iterations
+        (counted in iterations, not seconds: one long iteration is no quiet spell), within
+        ``overload_hold_s``."""
+        return self._refusing > 0 and now - self._loop_shed_at <= self.s.overload_hold_s
 
     def stall_limit(self, now: float) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is
@@ -561,6 +583,9 @@ class CpuGate:
         self._shed[reason] = self._shed.get(reason, 0) + 1
         if status == 503:
             self._last_shed = now
+            if reason == "cpu":
+                self._loop_shed_at = now
+                self._refusing = REFUSING_ITERATIONS
         return Reject(status, retry_after, reason)
 
     def _clamp_retry(self, seconds: float) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from numaserve.loops.admission import AdmissionSettings, Admit, Reject
 from numaserve.loops.checks import SettingError
-from numaserve.loops.cpu_gate import CpuGate
+from numaserve.loops.cpu_gate import REFUSING_ITERATIONS, CpuGate
 from numaserve.loops.supervisor_limits import LimitsSettings
 
 
@@ -248,6 +248,40 @@ def test_stall_excess_counts_the_work_queued_behind_the_call() -> None:
     assert g.stall_excess(t, 0.003, 6) == 6           # back in 57 ms: none stays, not even stall_queue
     g.waiting = 1
     assert g.stall_excess(t, 0.06, 6) == 6 - 1        # 3 x the learnt cost: back in ~60 ms, stall_queue
+
+
+def test_stall_excess_leaves_nothing_while_the_loop_itself_refuses() -> None:
+    """Issue 32: keep-alive requests already fill the loop's CPU and it refuses some: a connection
+    left in the accept queue would get the same 503 from the loop a call and an iteration later
+    (p50 66 ms at 2x), so the sentinel answers all of them while the loop refused in one of its last
+    REFUSING_ITERATIONS iterations.  A sentinel's own refusals do not count (only the loop's)."""
+    g = gate(stall_queue=1, stall_after_s=0.002, overload_wait_s=0.04)
+    g.try_admit(0.0)
+    t = busy_for(g, 0.1, 2.0)
+    g.request_cpu_s = 0.02
+    g.waiting = 1
+    assert g.stall_excess(t, 0.003, 6) == 6 - 2       # no refusal by the loop: what it would admit stays
+    g.note_shed(t)
+    g.record_stall_shed(t, 4)
+    assert g.stall_excess(t, 0.003, 6) == 6 - 2       # the sentinel's own 503s: unchanged
+    for _ in range(3):                                 # the loop is refusing keep-alive requests
+        g.waiting = 3
+        r = g.try_admit(t, runnable=(3, 0))
+    assert isinstance(r, Reject) and r.reason == "cpu"
+    g.waiting = 1
+    assert g.stall_excess(t + 0.05, 0.003, 6) == 6    # none stays, not even stall_queue
+    assert g.stall_excess(t + 0.05, 0.0, 6) == 0      # (and never while the loop is not stalled)
+    g.on_lag(t + 0.4, 0.3)                            # the iteration that refused ends, a long one:
+    assert g.stall_excess(t + 0.4, 0.003, 6) == 6     # still refusing
+    for i in range(1, REFUSING_ITERATIONS + 1):       # then iterations without a refusal
+        assert g.stall_excess(t + 0.4, 0.003, 6) == 6
+        g.on_lag(t + 0.4 + i * 0.02, 0.02)
+    assert g.stall_excess(t + 0.5, 0.003, 6) == 6 - 2   # iterations without a refusal: it stopped
+    r = g.try_admit(t + 0.5, runnable=(3, 0))
+    assert isinstance(r, Reject)
+    assert g.stall_excess(t + 0.5, 0.003, 6) == 6
+    g.waiting = 1
+    assert g.stall_excess(t + 1.6, 0.003, 6) == 6 - 2   # and overload_hold_s after the last one at most
 
 
 def test_probe_period_short_while_busy_long_while_idle() -> None:
