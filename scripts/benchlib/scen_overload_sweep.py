@@ -18,12 +18,16 @@ C = their median.  Per (server, shape, level): ok/s, 2xx within 500 ms per s,
 admitted p99, the p99 of 503s answered on a new connection, % shed, client
 timeouts; then one verdict line per done-when criterion of issue 32
 (``verdicts``).  ``--base DIR`` adds ``numaserve-base``: numaserve run from
-another source tree (before/after in one run).
+another source tree (before/after in one run); ``NUMASERVE_SWEEP_LEVELS`` and
+``NUMASERVE_SWEEP_SHAPES`` narrow the sweep to a few points (``_narrowed``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +78,17 @@ def quick_params() -> SweepParams:
                        idle_timeout_s=15.0)
 
 
+def _narrowed(p: SweepParams, env: Mapping[str, str]) -> SweepParams:
+    """An A/B of a few points: ``NUMASERVE_SWEEP_LEVELS=0.9,1`` and ``NUMASERVE_SWEEP_SHAPES=blocking``
+    keep only those (the verdicts then judge only what ran)."""
+    levels = tuple(float(x) for x in env.get("NUMASERVE_SWEEP_LEVELS", "").split(",") if x.strip())
+    shapes = tuple(x.strip() for x in env.get("NUMASERVE_SWEEP_SHAPES", "").split(",") if x.strip())
+    bad = [x for x in shapes if x not in PATHS]
+    if bad:
+        raise ValueError(f"NUMASERVE_SWEEP_SHAPES: unknown shape(s) {bad}; choose from {sorted(PATHS)}")
+    return dataclasses.replace(p, levels=levels or p.levels, shapes=shapes or p.shapes)
+
+
 def _config(name: str, p: SweepParams, base: str) -> ServerConfig:
     if name == BASE_LABEL:
         return ServerConfig("numaserve", workers=p.workers, app=APP, label=BASE_LABEL, checkout=base)
@@ -110,6 +125,7 @@ def wait_idle(servers: dict[str, Server], timeout_s: float) -> tuple[float, list
 
 def run(ctx: Ctx, p: SweepParams | None = None) -> dict[str, Any]:
     p = p or (quick_params() if ctx.quick else SweepParams())
+    p = _narrowed(p, os.environ)
     base = str(ctx.base) if ctx.base else ""
     names = list(ctx.servers) + ([BASE_LABEL] if base else [])
     bad = [n for n in names if n not in ("numaserve", BASE_LABEL, *PEERS)]

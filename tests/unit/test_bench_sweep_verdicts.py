@@ -9,7 +9,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from benchlib.scen_overload_sweep import verdicts  # noqa: E402
+import pytest  # noqa: E402
+
+from benchlib.scen_overload_sweep import SweepParams, _narrowed, verdicts  # noqa: E402
 
 
 def _row(server: str, level: float, **medians: float | None) -> dict[str, Any]:
@@ -42,3 +44,12 @@ def test_each_criterion_fails_on_its_own_number() -> None:
     assert {k for k, x in v.items() if x["met"] is False} == set(v), v
     assert v["1-3 C: ok/s >= 0.9 x own peak"]["detail"].startswith("2x:")   # 89 < 0.9 x 100; 1x is the peak
     assert "best peer 20.0 ms" in v["below 0.9 C: p99 <= 2x the best peer's"]["detail"]
+
+
+def test_the_environment_narrows_the_sweep_to_a_few_points() -> None:
+    p = SweepParams()
+    assert _narrowed(p, {}) == p
+    n = _narrowed(p, {"NUMASERVE_SWEEP_LEVELS": "0.9, 1", "NUMASERVE_SWEEP_SHAPES": "cooperative"})
+    assert n.levels == (0.9, 1.0) and n.shapes == ("cooperative",) and n.duration_s == p.duration_s
+    with pytest.raises(ValueError, match="NUMASERVE_SWEEP_SHAPES.*'blocked'"):
+        _narrowed(p, {"NUMASERVE_SWEEP_SHAPES": "blocked"})
