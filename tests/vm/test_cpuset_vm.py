@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-LAB_SCRIPT = REPO.parent / "shared" / "lab" / "numa-vm" / "run-in-numa-vm.sh"
+from vmlab import LAB_SCRIPT, REPO, run_lab
+
 GUEST = Path(__file__).resolve().parent / "systemd" / "cpuset_guest.py"
 VM_TIMEOUT = int(os.environ.get("NUMASERVE_VM_TIMEOUT", "900"))
 
@@ -44,10 +43,10 @@ def guest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cmd = [str(LAB_SCRIPT), "--init", "systemd", "--cwd", str(REPO), "--timeout", str(VM_TIMEOUT),
            "--env", "NUMASERVE_IN_VM=1", "--env", "PYTHONUNBUFFERED=1", "--", sys.executable, str(GUEST)]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=VM_TIMEOUT + 120, cwd=REPO)
-    cases: dict[str, Any] = {"_vm": {"rc": p.returncode, "seconds": round(time.monotonic() - t0, 1),
-                                     "tail": (p.stdout + "\n" + p.stderr)[-3000:]}}
-    for line in p.stdout.splitlines():
+    rc, stdout, stderr = run_lab(cmd, VM_TIMEOUT + 120)
+    cases: dict[str, Any] = {"_vm": {"rc": rc, "seconds": round(time.monotonic() - t0, 1),
+                                     "tail": (stdout + "\n" + stderr)[-3000:]}}
+    for line in stdout.splitlines():
         if line.startswith("CASE "):
             c = json.loads(line[5:])
             cases[c["name"]] = c
@@ -55,7 +54,7 @@ def guest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             cases["_cpus"] = json.loads(line[5:])
     out = tmp_path_factory.mktemp("vm-cpuset") / "cases.json"
     out.write_text(json.dumps(cases, indent=2))
-    print(f"\n[vm] cpuset guest: exit {p.returncode} after {cases['_vm']['seconds']} s; cases in {out}")
+    print(f"\n[vm] cpuset guest: exit {rc} after {cases['_vm']['seconds']} s; cases in {out}")
     return cases
 
 

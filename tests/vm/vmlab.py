@@ -10,7 +10,9 @@ failure text, or skips with its reason.
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
+import re
 import platform
 import shlex
 import subprocess
@@ -19,13 +21,76 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # NUMASERVE_NUMA_LAB: the lab script's path when the checkout is not beside ``shared/`` (a git worktree)
 LAB_SCRIPT = Path(os.environ.get("NUMASERVE_NUMA_LAB") or REPO.parent / "shared" / "lab" / "numa-vm" / "run-in-numa-vm.sh")
+
+
+#: The lab's kernel/initramfs cache (the script's NUMA_VM_CACHE default).
+LAB_CACHE = Path(os.environ.get("NUMA_VM_CACHE") or "/tmp/numa-vm-cache")
+
+
+def _cache_warm() -> bool:
+    """The lab script has built its initramfs for its current version (it writes
+    ``initramfs.cpio.gz.tmp`` and renames it, under one fixed name: two cold boots at once race
+    on it, and the loser fails with ``mv: cannot stat ...tmp`` after 3 s)."""
+    try:
+        version = re.search(r"^SCRIPT_VERSION=(\S+)", LAB_SCRIPT.read_text(), re.M)
+    except OSError:
+        return False
+    return bool(version) and any(LAB_CACHE.glob(f"*-v{version.group(1)}/initramfs.cpio.gz"))
+
+
+def run_lab(cmd: Sequence[str], timeout: float) -> tuple[int | None, str, str]:
+    """Run the lab script: (exit code or None on timeout, stdout, stderr).
+
+    While the cache is cold, one boot at a time builds it: the others wait on a lock until the
+    initramfs is there (or the builder exited), then boot as usual; the two VM chains of the
+    suite start together (``tests/conftest.py``), on a fresh /tmp both would build it."""
+    LAB_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(LAB_CACHE / ".numaserve-build.lock", "w") as lock, \
+            open(os.devnull, "rb") as stdin, _Capture() as out, _Capture() as err:
+        locked = not _cache_warm()
+        if locked:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            locked = not _cache_warm()
+            if not locked:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        p = subprocess.Popen(list(cmd), stdin=stdin, stdout=out.f, stderr=err.f, cwd=REPO)
+        deadline = time.monotonic() + timeout
+        try:
+            while locked and p.poll() is None and time.monotonic() < deadline:
+                if _cache_warm():
+                    break
+                time.sleep(0.5)
+            if locked:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            rc: int | None = p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = None
+        return rc, out.text(), err.text()
+
+
+class _Capture:
+    """A temporary file for a child's output (a pipe could fill while the parent polls)."""
+
+    def __enter__(self) -> "_Capture":
+        import tempfile
+        self.f = tempfile.TemporaryFile()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def text(self) -> str:
+        self.f.seek(0)
+        return self.f.read().decode(errors="replace")
 
 
 def skip_marks() -> list[pytest.MarkDecorator]:
@@ -163,11 +228,9 @@ def run_guest_pytest(guest_dir: Path, selected_tests: list[str], all_tests: list
         "--timeout", str(test_timeout), "-o", "junit_family=xunit2", f"--junitxml={xml_path}", *pytest_args, *targets,
     ]
     t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 120, cwd=REPO)
-        rc, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out, err = None, str(e.stdout or ""), str(e.stderr or "") + "\nhost: VM script timed out"
+    rc, out, err = run_lab(cmd, timeout + 120)
+    if rc is None:
+        err += "\nhost: VM script timed out"
     seconds = time.monotonic() - t0
     (share / "vm-stdout.txt").write_text(out)
     (share / "vm-stderr.txt").write_text(err)
