@@ -130,11 +130,23 @@ class LocalityWatch:
         seen.due = now + seen.interval
         ratio = sample.local_ratio
         action = self.judge.observe(slot.plan.slot, w.generation, ratio)
+        if action is None and self._confirming(slot, w):
+            seen.due = now + base
         if action == "migrate":
             self._migrate(slot, w, sample, now)
         elif action == "recycle":
             self._recycle(slot, w, sample)
         return sample.cost_s
+
+    def _confirming(self, slot: SlotState, w: WorkerProc) -> bool:
+        """The worker is low and counting towards a repair it never had: its next sample comes
+        at ``locality_interval``, not at the budget's stretched interval.  The hold counts
+        samples, and stretched ones made a repair wait ``repair_hold`` times minutes (the 2-node
+        lab VM: ~100 s per sample, 10 min to a migrate).  At most ``repair_hold - 1`` such samples
+        per worker: once it was repaired, a worker that drifts again waits the budget's interval."""
+        if self.judge.settings.mode == "off" or not self.judge.low_samples(slot.plan.slot):
+            return False
+        return not any(r["pid"] == w.pid for r in self.history.get(slot.plan.slot, ()))
 
     # ------------------------------------------------------------------ repairs
 

@@ -172,6 +172,42 @@ def test_expensive_samples_are_spaced_to_the_cpu_budget_and_zero_interval_is_off
     assert world2.sampled == [] and lw2.status(off.slots[0])["local_ratio"] is None
 
 
+def test_a_low_worker_is_confirmed_at_the_base_interval_once_per_worker() -> None:
+    f = serving(1, cfg(locality_interval=1.0, repair="migrate", repair_hold=3))
+    world = World()
+    world.cost = 50 * CPU_BUDGET        # one worker: a sample every 50 s within the budget
+    lw = watch(f, world)
+    w = f.slots[0].worker
+    lw.tick(0.0)
+    world.ratio[w.pid] = 0.5            # drifts
+    for t in range(1, 50):
+        lw.tick(float(t))
+    assert len(world.sampled) == 1      # not due yet: the stretched interval
+    lw.tick(50.0)                       # low 1; low 2 and the repair follow at the base interval
+    lw.tick(51.0)
+    assert world.migrated == []
+    lw.tick(52.0)
+    assert world.migrated == [(w.pid, (1,), (0,))]
+    lw.tick(52.5)                       # the result, measured on the next tick (next due at 102.5)
+    assert lw.status(f.slots[0])["local_ratio"] == 1.0
+    n = len(world.sampled)
+    world.ratio[w.pid] = 0.5            # the same worker drifts again: the budget's pace now
+    for t in range(53, 103):
+        lw.tick(float(t))
+    lw.tick(102.5)
+    assert len(world.sampled) == n + 1, world.sampled
+    for t in range(103, 152):
+        lw.tick(float(t))
+    assert len(world.sampled) == n + 1 and len(world.migrated) == 1
+    off = serving(1, cfg(locality_interval=1.0, repair="off"))   # report only: never sampled faster
+    world2 = World()
+    world2.cost, world2.ratio = 50 * CPU_BUDGET, {off.slots[0].worker.pid: 0.5}
+    lw2 = watch(off, world2)
+    for t in range(0, 60):
+        lw2.tick(float(t))
+    assert len(world2.sampled) == 2
+
+
 def test_workers_due_together_are_spread_over_ticks() -> None:
     from numaserve.supervisor.localitywatch import TICK_BUDGET_S
 

@@ -131,7 +131,8 @@ def test_pages_pushed_to_the_other_node_are_measured_alerted_and_migrated_back()
         assert r.returncode == 0, r.stdout + r.stderr
 
         # 3. measured (status and /metrics), then repaired by the supervisor (under TCG one sample
-        # takes ~0.25 s of CPU, so the 1 % budget spaces samples ~50 s apart: HOLD samples take minutes)
+        # takes ~0.1-0.25 s of CPU, so the 0.2 % budget spaces samples minutes apart: the first low
+        # one comes at that pace, the HOLD - 1 that confirm it every locality_interval)
         low_status = low_metrics = None
         deadline = time.monotonic() + 600
         got: dict = {}

@@ -317,53 +317,6 @@ def test_reload_under_load_is_what_the_unit_shows() -> None:
     })
 
 
-def test_reload_with_kill_hup_shows_reloading_until_ready() -> None:
-    """The shipped unit's previous ExecReload (kill -HUP): systemd 252's side of the protocol.
-
-    kill exits at once, so PID 1 ends the reload job on its exit; the supervisor's
-    RELOADING=1 (arriving before or after that) puts the unit back to
-    "reloading" until READY=1.  Measured, to explain the switch to `reload --wait`."""
-    (L.DROPINS / "30-kill-hup.conf").write_text("[Service]\nExecReload=\nExecReload=/bin/kill -HUP $MAINPID\n")
-    L.systemctl("daemon-reload")
-    main = main_pid()
-    seen_ops = {o["id"] for o in L.operations()}
-    L.systemctl("log-level", "debug")
-    try:
-        t0 = L.mono()
-        L.systemctl("reload", UNIT)
-        t1 = L.mono()
-        back = L.wait_for("READY=1 after the SIGHUP reload",
-                          lambda: [x for x in notifications(L.journal(since=t0), main)
-                                   if x[1].startswith("READY=1")], timeout=400, step=2.0)
-    finally:
-        L.systemctl("log-level", "info")
-        (L.DROPINS / "30-kill-hup.conf").unlink()
-        L.systemctl("daemon-reload")
-    op = _reload_op(seen_ops)
-    assert op["state"] == "succeeded" and op["args"] == {"trigger": "SIGHUP"}, op
-    j = L.journal(since=t0 - 0.5)
-    notes = notifications(j, main)
-    rel = [t for t, f in notes if f.startswith("RELOADING=1")]
-    states = L.pid1_lines(j, "Changed ")
-    job_done = L.pid1_lines(j, "Reloaded numaserve.service")
-    assert rel and job_done, (notes, job_done)
-    # from RELOADING=1 on, the unit is "reload" until READY=1, then "running"
-    after_rel = [m.rsplit("Changed ", 1)[1] for t, m in states if t >= rel[0]]
-    assert after_rel and after_rel[-1] == "reload -> running", states
-    last_reload = max(t for t, m in states if m.endswith("-> reload"))
-    assert last_reload <= rel[0] + 0.5 and max(t for t, m in states if m.endswith("reload -> running")) >= back[0][0], \
-        (states, rel, back)
-    assert L.show("ActiveState", "SubState") == {"ActiveState": "active", "SubState": "running"}
-    L.record("reload_kill_hup_quiet", {
-        "systemctl_reload_s": round(t1 - t0, 2),
-        "job_done_after_s": round(job_done[0][0] - t0, 2),
-        "RELOADING_after_s": round(rel[0] - t0, 2),
-        "READY_after_s": round(back[0][0] - t0, 2),
-        "states": [(round(t - t0, 3), m.rsplit("Changed ", 1)[1]) for t, m in states],
-        "op_steps": [(s["t"], s["message"]) for s in op["steps"]],
-    })
-
-
 def test_refused_reload_keeps_serving_with_the_reason_in_the_journal() -> None:
     main = main_pid()
     gens = {s["slot"]: s["generation"] for s in L.status()["slots"]}
