@@ -14,8 +14,11 @@ Every repair is logged and counted per slot and action (across generations).
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +40,10 @@ log = structlog.get_logger("numaserve.locality")
 #: supervisor is held to, docs/benchmarks.md § 5).  Six small workers are still sampled every
 #: ``placement.locality_interval`` (10 s); 32 small ones about every 50 s, larger ones less often.
 CPU_BUDGET = 0.002
+#: Overrides ``CPU_BUDGET`` (a fraction of one CPU in (0, 1]): where a CPU is far slower than the
+#: hardware the budget was set for, e.g. the emulated 2-node lab VM, whose samples cost 50-400x
+#: more CPU and were spaced 100-400 s apart (its locality test: docs/testing.md).
+BUDGET_ENV = "NUMASERVE_LOCALITY_CPU_BUDGET"
 #: CPU seconds of sampling in one tick: workers started together fall due together, and 32 of them
 #: in one go would hold the supervision loop for ~70 ms; the rest are sampled on the next ticks.
 TICK_BUDGET_S = 0.02
@@ -62,8 +69,9 @@ class LocalityWatch:
 
     def __init__(self, ctl: SlotControl, operations: Operations, node_cpus: Callable[[int], tuple[int, ...]], *,
                  sampler: Sampler = sample_locality, migrator: Migrator = migrate_pages,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, env: Mapping[str, str] = os.environ) -> None:
         self.ctl = ctl
+        self.budget = self.budget_from(env)
         self.operations = operations
         self.node_cpus = node_cpus
         self.sampler = sampler
@@ -75,6 +83,23 @@ class LocalityWatch:
         self.history: dict[int, deque[dict[str, Any]]] = {}     # slot -> the last repairs
         self.cost_s = 0.0                                         # CPU time of every sample taken
         self.samples = 0
+
+    @staticmethod
+    def budget_from(env: Mapping[str, str]) -> float:
+        """``CPU_BUDGET``, or ``BUDGET_ENV`` when it holds a fraction in (0, 1] (else a warning
+        naming the variable, and the default)."""
+        raw = env.get(BUDGET_ENV, "").strip()
+        if not raw:
+            return CPU_BUDGET
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if 0.0 < value <= 1.0:
+            return value
+        log.warning("locality_budget_ignored", variable=BUDGET_ENV, value=raw,
+                    why="expected a fraction of one CPU in (0, 1]", using=CPU_BUDGET)
+        return CPU_BUDGET
 
     def _settings(self) -> RepairSettings:
         p = self.ctl.cfg.placement
@@ -126,7 +151,7 @@ class LocalityWatch:
         self.cost_s += sample.cost_s
         self.samples += 1
         seen.sample, seen.at = sample, now
-        seen.interval = interval_for(base, sample.cost_s, workers, CPU_BUDGET)
+        seen.interval = interval_for(base, sample.cost_s, workers, self.budget)
         seen.due = now + seen.interval
         ratio = sample.local_ratio
         action = self.judge.observe(slot.plan.slot, w.generation, ratio)
@@ -199,7 +224,7 @@ class LocalityWatch:
     def summary(self) -> dict[str, Any]:
         """What the sampling has cost so far (the supervisor's ``locality`` in status): the CPU
         seconds of every sample, so ``rate()`` of it shows the share of a CPU against the budget."""
-        return {"samples": self.samples, "cpu_s": round(self.cost_s, 6), "cpu_budget": CPU_BUDGET,
+        return {"samples": self.samples, "cpu_s": round(self.cost_s, 6), "cpu_budget": self.budget,
                 "interval_s": self.ctl.cfg.placement.locality_interval, "repair": self.judge.settings.mode}
 
     def status(self, slot: SlotState) -> dict[str, Any]:

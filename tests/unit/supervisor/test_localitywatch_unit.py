@@ -11,7 +11,7 @@ from slotfakes import FakeSlots, held_operation
 from numaserve.bind.locality import LocalitySample
 from numaserve.config import Config
 from numaserve.supervisor import slots as S
-from numaserve.supervisor.localitywatch import CPU_BUDGET, LocalityWatch
+from numaserve.supervisor.localitywatch import BUDGET_ENV, CPU_BUDGET, LocalityWatch
 from numaserve.supervisor.operations import Operations
 
 
@@ -56,7 +56,7 @@ class World:
 
 def watch(f: FakeSlots, world: World, ops: Operations | None = None) -> LocalityWatch:
     return LocalityWatch(f, ops or Operations(f, f), lambda node: (node * 2, node * 2 + 1),
-                         sampler=world.sample, migrator=world.migrate, clock=lambda: 100.0)
+                         sampler=world.sample, migrator=world.migrate, clock=lambda: 100.0, env={})
 
 
 def test_samples_show_in_status_and_off_never_repairs() -> None:
@@ -221,3 +221,18 @@ def test_workers_due_together_are_spread_over_ticks() -> None:
     assert len(world.sampled) == 4 and len(set(world.sampled)) == 4   # the other two, not the first again
     lw.tick(3.0)
     assert len(world.sampled) == 4
+
+
+def test_the_budget_can_be_raised_for_a_slow_cpu_and_a_bad_value_is_ignored_by_name() -> None:
+    assert LocalityWatch.budget_from({}) == CPU_BUDGET
+    assert LocalityWatch.budget_from({BUDGET_ENV: "0.05"}) == 0.05
+    for bad in ("lots", "0", "-1", "1.5", "nan"):
+        assert LocalityWatch.budget_from({BUDGET_ENV: bad}) == CPU_BUDGET, bad
+    f = serving(2, cfg(locality_interval=1.0))
+    world = World()
+    world.cost = 5.25 * CPU_BUDGET            # 10.5 s apart at the default budget ...
+    lw = LocalityWatch(f, Operations(f, f), lambda node: (node * 2, node * 2 + 1), sampler=world.sample,
+                       migrator=world.migrate, clock=lambda: 100.0, env={BUDGET_ENV: str(10 * CPU_BUDGET)})
+    for t in range(0, 4):
+        lw.tick(float(t))
+    assert lw.status(f.slots[0])["interval_s"] == 1.1 and lw.summary()["cpu_budget"] == 10 * CPU_BUDGET

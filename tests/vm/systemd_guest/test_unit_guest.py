@@ -260,7 +260,7 @@ def test_reload_under_load_is_what_the_unit_shows() -> None:
     main = main_pid()
     before = {s["slot"]: s for s in L.status()["slots"]}
     seen_ops = {o["id"] for o in L.operations()}
-    load = L.Load(threads=4).start()
+    load = L.Load(threads=2).start()
     L.wait_for("load flowing", lambda: len(load.ok()) >= 20, timeout=120)
     slow, threads = L.fire(["/slow?s=3"] * 4)       # in flight when the reload begins
     time.sleep(1.0)
