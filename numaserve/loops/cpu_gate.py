@@ -504,13 +504,17 @@ class CpuGate:
         """
         if self.inflight <= 0:
             return 0
-        if stalled_for < self.stall_limit(now):
+        if stalled_for < self.stall_limit(now, accept_queue):
             return 0
         if self.loop_refusing(now):
             # the loop itself refuses what it already reads (keep-alive requests beyond its CPU):
             # a connection left here would wait a call and an iteration for the same 503
             return accept_queue
         cpu = self.request_cpu_s
+        if stalled_for < self.stall_limit(now):
+            # only the queue is short of CPU (``queue_short``): what the burst bound admits stays
+            keep = max(self.s.stall_queue, math.floor(self.s.burst_wait_s / cpu) if cpu > 0 else accept_queue)
+            return max(0, accept_queue - keep)
         behind = max(0, self.waiting - 1)
         back_in = (cpu - stalled_for if stalled_for < cpu else stalled_for) + behind * cpu
         budget = self.s.overload_wait_s - back_in
@@ -525,12 +529,24 @@ class CpuGate:
         ``overload_hold_s``."""
         return self._refusing > 0 and now - self._loop_shed_at <= self.s.overload_hold_s
 
-    def stall_limit(self, now: float) -> float:
+    def stall_limit(self, now: float, queued: int = 0) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is
-        overloaded or its gate shed within ``overload_hold_s``, else ``stall_idle_after_s``.  Read by the sentinel thread (plain attribute reads, no lock)."""
-        if self._overloaded or now - self._last_shed <= self.s.overload_hold_s:
+        short of CPU (overloaded, its gate shed within ``overload_hold_s``, admitted requests
+        waiting behind the running one) or ``queued`` connections wait with more CPU than a burst may
+        (``queue_short``), else ``stall_idle_after_s``.  Read by the sentinel thread (plain
+        attribute reads, no lock)."""
+        if (self._overloaded or now - self._last_shed <= self.s.overload_hold_s 
+                or min(self.waiting, self.inflight) > 1 or self.queue_short(queued)):
             return self.s.stall_after_s
         return self.s.stall_idle_after_s
+
+    def queue_short(self, queued: int) -> bool:
+        """``queued`` connections in the accept queue hold more CPU than the burst bound lets wait
+        (``burst_wait_s``): an overload starting on a loop that has not refused anything yet.  At
+        its onset (2x capacity, 20 ms handlers) the loop ran one call after another, 11
+        connections queued behind them, and the sentinel, held to ``stall_idle_after_s``, let them
+        wait 140-360 ms.  A quiet worker's long call with a few connections queued is not this."""
+        return queued > 0 and queued * self.request_cpu_s >= self.s.burst_wait_s
 
     def record_stall_shed(self, now: float, n: int = 1) -> None:
         """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""

@@ -422,6 +422,9 @@ class Sentinel(threading.Thread):
             probe = rt.probe
             stalled_for = now - probe.beat - probe.period
             limit = gate.stall_limit(now)
+            if gate.s.stall_after_s <= stalled_for < limit and gate.inflight > 0:
+                # stalled, not known short of CPU: is the accept queue alone? (a syscall per listener)
+                limit = gate.stall_limit(now, sum(accept_queue_depth(lst) or 0 for lst in self._listeners))
             if stalled_for < limit or gate.inflight <= 0:
                 stalled_before = False
                 self._service(now)
@@ -432,9 +435,11 @@ class Sentinel(threading.Thread):
                 ready = queue.poll(self._idle_poll_ms())
                 if any(fd in self._listen_fds for fd, _ in ready):
                     now = time.monotonic()
-                    left = limit - (now - probe.beat - probe.period)
-                    if left > 0:
-                        self._stop_evt.wait(min(0.05, max(self.STALL_POLL_S, left)))
+                    stalled_for = now - probe.beat - probe.period
+                    left = limit - stalled_for
+                    if left > 0:   # (stalled already: look at the queue's depth again sooner)
+                        cap = 0.01 if stalled_for >= gate.s.stall_after_s else 0.05
+                        self._stop_evt.wait(min(cap, max(self.STALL_POLL_S, left)))
                 continue
             if not stalled_before:
                 self.stalls += 1

@@ -206,8 +206,12 @@ def test_stall_excess_leaves_a_small_queue_and_waits_for_a_real_stall() -> None:
     g = gate(stall_queue=1, stall_after_s=0.002, stall_idle_after_s=0.05)  # (default idle: 1 s)
     assert g.stall_excess(0.0, 1.0, 10) == 0          # nothing in flight: the loop is idle, not stalled
     g.try_admit(0.0)
-    assert g.stall_excess(0.01, 0.01, 10) == 0        # quiet worker: one 10 ms call is no stall
-    assert g.stall_excess(0.06, 0.06, 10) == 9        # 60 ms: leave one for the loop
+    assert g.stall_excess(0.01, 0.01, 4) == 0         # quiet worker: one 10 ms call is no stall ...
+    assert g.stall_excess(0.06, 0.06, 4) == 3         # ... 60 ms is: leave one for the loop
+    # ... unless the queue holds more CPU than a burst may wait for (10 x 20 ms >= burst_wait_s):
+    # an overload starting before the loop refused anything; what the burst bound admits stays
+    assert g.stall_excess(0.01, 0.001, 10) == 0 and g.stall_excess(0.01, 0.01, 10) == 10 - 5
+    assert g.stall_excess(0.06, 0.06, 10) == 9        # 60 ms: the idle limit's rule, one stays
     t = busy_for(g, 0.1, 2.0)
     assert g.overloaded(t)
     g.request_cpu_s = 0.05                            # long calls: only stall_queue stays
@@ -358,3 +362,16 @@ def test_a_floor_above_its_ceiling_names_the_floor(struct: type, low: str, high:
     with pytest.raises(SettingError) as e:
         struct(**{low: above})
     assert e.value.key == low and high in e.value.expected
+
+
+def test_a_deep_accept_queue_or_admitted_requests_waiting_shorten_the_stall_limit() -> None:
+    """Issue 32: at the onset of an overload the loop has refused nothing yet; 11 connections
+    waited behind its calls while the sentinel held to the idle limit (140-360 ms for their 503s)."""
+    g = gate(stall_after_s=0.002, stall_idle_after_s=1.0, burst_wait_s=0.1)
+    assert g.stall_limit(0.0) == 1.0 and g.stall_limit(0.0, 4) == 1.0     # 4 x 20 ms: a burst may wait
+    assert g.stall_limit(0.0, 5) == 0.002                                 # 5 x 20 ms: it may not
+    g.waiting = 3                                                         # stale: nothing in flight
+    assert g.stall_limit(0.0) == 1.0
+    g.try_admit(0.0)
+    g.try_admit(0.0)
+    assert g.inflight == 2 and g.stall_limit(0.0) == 0.002                # two admitted, one waits
