@@ -545,8 +545,10 @@ class CpuGate:
         (``burst_wait_s``): an overload starting on a loop that has not refused anything yet.  At
         its onset (2x capacity, 20 ms handlers) the loop ran one call after another, 11
         connections queued behind them, and the sentinel, held to ``stall_idle_after_s``, let them
-        wait 140-360 ms.  A quiet worker's long call with a few connections queued is not this."""
-        return queued > 0 and queued * self.request_cpu_s >= self.s.burst_wait_s
+        wait 140-360 ms.  At least ``cpu_burst`` of them: a quiet worker's long call with a few
+        connections queued is not this, nor 3 clients reconnecting to an emulated CPU whose every
+        request costs ~35 ms (the systemd VM's stop under load got a 503 from it)."""
+        return queued >= self.s.cpu_burst and queued * self.request_cpu_s >= self.s.burst_wait_s
 
     def record_stall_shed(self, now: float, n: int = 1) -> None:
         """The shell's sentinel answered ``n`` connections (called on the loop, or merged from counters)."""

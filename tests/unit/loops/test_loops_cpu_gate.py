@@ -367,9 +367,13 @@ def test_a_floor_above_its_ceiling_names_the_floor(struct: type, low: str, high:
 def test_a_deep_accept_queue_or_admitted_requests_waiting_shorten_the_stall_limit() -> None:
     """Issue 32: at the onset of an overload the loop has refused nothing yet; 11 connections
     waited behind its calls while the sentinel held to the idle limit (140-360 ms for their 503s)."""
-    g = gate(stall_after_s=0.002, stall_idle_after_s=1.0, burst_wait_s=0.1)
+    g = gate(stall_after_s=0.002, stall_idle_after_s=1.0, burst_wait_s=0.1, cpu_burst=8)
     assert g.stall_limit(0.0) == 1.0 and g.stall_limit(0.0, 4) == 1.0     # 4 x 20 ms: a burst may wait
-    assert g.stall_limit(0.0, 5) == 0.002                                 # 5 x 20 ms: it may not
+    assert g.stall_limit(0.0, 7) == 1.0                                   # 7: fewer than a burst may start
+    assert g.stall_limit(0.0, 8) == 0.002                                 # 8 x 20 ms: neither
+    g.request_cpu_s = 0.002
+    assert g.stall_limit(0.0, 40) == 1.0                                  # 40 x 2 ms fits a burst
+    g.request_cpu_s = 0.02
     g.waiting = 3                                                         # stale: nothing in flight
     assert g.stall_limit(0.0) == 1.0
     g.try_admit(0.0)
