@@ -531,12 +531,11 @@ class CpuGate:
 
     def stall_limit(self, now: float, queued: int = 0) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is
-        short of CPU (overloaded, its gate shed within ``overload_hold_s``, admitted requests
-        waiting behind the running one) or ``queued`` connections wait with more CPU than a burst may
+        short of CPU (overloaded, or its gate shed within ``overload_hold_s``) or ``queued`` connections wait with more CPU than a burst may
         (``queue_short``), else ``stall_idle_after_s``.  Read by the sentinel thread (plain
         attribute reads, no lock)."""
         if (self._overloaded or now - self._last_shed <= self.s.overload_hold_s 
-                or min(self.waiting, self.inflight) > 1 or self.queue_short(queued)):
+                or self.queue_short(queued)):
             return self.s.stall_after_s
         return self.s.stall_idle_after_s
 

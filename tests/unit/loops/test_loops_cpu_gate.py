@@ -364,7 +364,7 @@ def test_a_floor_above_its_ceiling_names_the_floor(struct: type, low: str, high:
     assert e.value.key == low and high in e.value.expected
 
 
-def test_a_deep_accept_queue_or_admitted_requests_waiting_shorten_the_stall_limit() -> None:
+def test_a_deep_accept_queue_shortens_the_stall_limit() -> None:
     """Issue 32: at the onset of an overload the loop has refused nothing yet; 11 connections
     waited behind its calls while the sentinel held to the idle limit (140-360 ms for their 503s)."""
     g = gate(stall_after_s=0.002, stall_idle_after_s=1.0, burst_wait_s=0.1, cpu_burst=8)
@@ -374,8 +374,9 @@ def test_a_deep_accept_queue_or_admitted_requests_waiting_shorten_the_stall_limi
     g.request_cpu_s = 0.002
     assert g.stall_limit(0.0, 40) == 1.0                                  # 40 x 2 ms fits a burst
     g.request_cpu_s = 0.02
-    g.waiting = 3                                                         # stale: nothing in flight
-    assert g.stall_limit(0.0) == 1.0
+    # requests admitted behind the call do not shorten it: awaits count as in flight too, and in
+    # the systemd VM's stop under load (4 awaiting, 3 clients reconnecting) that shed a client
+    g.waiting = 3
     g.try_admit(0.0)
     g.try_admit(0.0)
-    assert g.inflight == 2 and g.stall_limit(0.0) == 0.002                # two admitted, one waits
+    assert g.inflight == 2 and g.stall_limit(0.0) == 1.0
