@@ -34,6 +34,8 @@ def test_lifecycle_events_are_published() -> None:
         while time.monotonic() < deadline and not {"worker_crash", "backoff", "spawn", "worker_ready"} <= set(seen):
             if sub.poll(500):
                 topic, payload = sub.recv_multipart()
+                if topic != b"event":   # (subscribed to stats too, above: they carry no level)
+                    continue
                 ev = json.loads(payload)
                 seen.setdefault(ev["event"], ev)
         sub.close(0)
