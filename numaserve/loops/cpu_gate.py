@@ -531,10 +531,10 @@ class CpuGate:
 
     def stall_limit(self, now: float, queued: int = 0) -> float:
         """How late the probe must be for a sentinel to act: ``stall_after_s`` while the loop is
-        short of CPU (overloaded, or its gate shed within ``overload_hold_s``) or ``queued`` connections wait with more CPU than a burst may
-        (``queue_short``), else ``stall_idle_after_s``.  Read by the sentinel thread (plain
-        attribute reads, no lock)."""
-        if (self._overloaded or now - self._last_shed <= self.s.overload_hold_s 
+        short of CPU (overloaded, or its gate shed within ``overload_hold_s``) or ``queued``
+        connections wait with more CPU than a burst may (``queue_short``), else
+        ``stall_idle_after_s``.  Read by the sentinel thread (plain attribute reads, no lock)."""
+        if (self._overloaded or now - self._last_shed <= self.s.overload_hold_s
                 or self.queue_short(queued)):
             return self.s.stall_after_s
         return self.s.stall_idle_after_s
