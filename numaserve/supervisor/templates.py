@@ -594,8 +594,9 @@ class TemplateManager:
                     log.error("fork_refused" if t.kind == "template" else "zygote_refused", node=t.node, generation=t.generation, pid=t.pid, threads=t.threads,
                               fallback="exec", reason=t.reason)
                     self._stop_refused(t)
-                else:
-                    t.state = READY
+                    t.ready_evt.set()
+                    return               # its channel is closed: nothing more to read
+                t.state = READY
                 t.ready_evt.set()
             elif kind == "failed" and t.state == STARTING:
                 t.state = FAILED

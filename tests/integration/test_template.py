@@ -132,6 +132,8 @@ def test_threaded_template_refuses_to_fork_and_workers_are_execd() -> None:
         refused = [e for e in ev if e.get("event") == "fork_refused"]
         assert refused and refused[0]["fallback"] == "exec" and "app-poller" in json.dumps(refused[0]["threads"])
         assert any(e.get("event") == "spawn_exec_fallback" and "threads" in e.get("reason", "") for e in ev)
+        # the refused template's channel is closed once, not read again ("Bad file descriptor")
+        assert not [e for e in ev if e.get("event") == "template_bad_message"], ev
 
 
 def _write_app(path: Path, version: str, broken: bool = False) -> None:

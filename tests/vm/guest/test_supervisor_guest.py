@@ -22,8 +22,15 @@ from numaserve.bind.verify import check_placement, read_placement
 APPS = str(Path(__file__).resolve().parent / "apps")
 
 
-def _numaserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "numaserve", *args], capture_output=True, text=True, timeout=timeout)
+def _status(rt: str) -> dict | None:
+    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
+    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
+    from numaserve.control.client import OpsError, ops_call
+
+    try:
+        return ops_call(Path(rt), "status", timeout=30.0)
+    except (OpsError, OSError):
+        return None
 
 
 def _get(port: int, path: str, cpu: int) -> dict:
@@ -59,9 +66,9 @@ def test_supervisor_binds_node1_worker_and_its_memory(node_cpus) -> None:
         st = None
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
-            r = _numaserve("status", "--json", "--runtime-dir", rt + "/rt")
-            if r.returncode == 0:
-                st = json.loads(r.stdout)
+            got = _status(rt + "/rt")
+            if got is not None:
+                st = got
                 if st["slots"] and all(s["state"] == "ready" and s["binding_verified"] for s in st["slots"]):
                     break
             time.sleep(1)

@@ -24,9 +24,14 @@ SIZE = "64MB"
 
 
 def _status(rt: str) -> dict | None:
-    r = subprocess.run([sys.executable, "-m", "numaserve", "status", "--json", "--runtime-dir", rt],
-                       capture_output=True, text=True, timeout=120)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
+    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
+    from numaserve.control.client import OpsError, ops_call
+
+    try:
+        return ops_call(Path(rt), "status", timeout=30.0)
+    except (OpsError, OSError):
+        return None
 
 
 def _anon_pages(pid: int, min_pages: int) -> tuple[dict[str, int], list[str]]:

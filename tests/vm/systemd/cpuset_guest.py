@@ -61,8 +61,14 @@ def plan(cpus: str) -> dict[str, Any]:
 
 
 def _status(rt: str) -> dict[str, Any] | None:
-    r = sh(PY, "-m", "numaserve", "status", "--json", "--runtime-dir", rt, timeout=60)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
+    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
+    from numaserve.control.client import OpsError, ops_call
+
+    try:
+        return ops_call(Path(rt), "status", timeout=30.0)
+    except (OpsError, OSError):
+        return None
 
 
 def _cpus_allowed(pid: int) -> list[str]:

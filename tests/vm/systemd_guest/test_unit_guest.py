@@ -175,9 +175,11 @@ def test_start_returns_only_when_every_slot_is_ready() -> None:
     assert p["StatusText"] == "running: node0 1/1 ready; node1 1/1 ready", p
     active_at = int(p["ActiveEnterTimestampMonotonic"]) / 1e6
     assert t0 < int(p["ExecMainStartTimestampMonotonic"]) / 1e6 < active_at <= t1, (t0, p, t1)
-    st = L.status()
+    st = L.status_cli()
     assert st["supervisor"]["pid"] == int(p["MainPID"])
     assert sorted((s["node"], s["state"]) for s in st["slots"]) == [(0, "ready"), (1, "ready")], st["slots"]
+    # forked from each node's template, inside the unit's sandbox (seccomp, no new privileges)
+    assert all(s["start"]["mode"] == "fork" and s["start"]["node"] == s["node"] for s in st["slots"]), st["slots"]
     # systemd went active only after the last slot reported ready
     ready = named(L.journal(since=t0), "worker_ready")
     assert {d["slot"] for _, d in ready} == {0, 1}, ready

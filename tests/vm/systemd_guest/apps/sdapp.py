@@ -3,8 +3,9 @@
 GET /            {"pid", "node"}
 GET /slow?s=F    replies after F seconds (an await: in flight during reload and stop)
 GET /alloc?mb=N  allocates and touches N MiB more, kept (drives a worker into MemoryMax)
-Two helper threads start with the app, so "every thread is pinned" covers more
-than the main thread.
+Two helper threads start with the app (at lifespan startup, in the worker: threads started at
+import would make the node's template refuse to fork, and every worker would be exec'd, the
+slow path), so "every thread is pinned" covers more than the main thread.
 """
 
 import asyncio
@@ -22,8 +23,9 @@ def _idle() -> None:
         time.sleep(3600)
 
 
-for _ in range(2):
-    threading.Thread(target=_idle, daemon=True, name="sdapp-helper").start()
+def _start_helpers() -> None:
+    for _ in range(2):
+        threading.Thread(target=_idle, daemon=True, name="sdapp-helper").start()
 
 
 async def app(scope, receive, send):
@@ -31,6 +33,7 @@ async def app(scope, receive, send):
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
+                _start_helpers()
                 await send({"type": "lifespan.startup.complete"})
             else:
                 await send({"type": "lifespan.shutdown.complete"})
