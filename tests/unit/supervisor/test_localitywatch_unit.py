@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import msgspec
 from slotfakes import FakeSlots, held_operation
@@ -11,7 +13,7 @@ from slotfakes import FakeSlots, held_operation
 from numaserve.bind.locality import LocalitySample
 from numaserve.config import Config
 from numaserve.supervisor import slots as S
-from numaserve.supervisor.localitywatch import BUDGET_ENV, CPU_BUDGET, LocalityWatch
+from numaserve.supervisor.localitywatch import BUDGET_ENV, CPU_BUDGET, LocalityWatch, in_thread
 from numaserve.supervisor.operations import Operations
 
 
@@ -54,9 +56,38 @@ class World:
         return 0
 
 
-def watch(f: FakeSlots, world: World, ops: Operations | None = None) -> LocalityWatch:
+def inline(fn: Callable[[], int]) -> Future[int]:
+    """The offload as a call here and now (the migrate's result is there at once)."""
+    fut: Future[int] = Future()
+    try:
+        fut.set_result(fn())
+    except Exception as e:
+        fut.set_exception(e)
+    return fut
+
+
+class Held:
+    """The offload as a thread that has not finished: ``finish()`` lets the held calls run."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable[[], int], Future[int]]] = []
+
+    def __call__(self, fn: Callable[[], int]) -> Future[int]:
+        fut: Future[int] = Future()
+        self.calls.append((fn, fut))
+        return fut
+
+    def finish(self) -> None:
+        for fn, fut in self.calls:
+            fut.set_result(fn())
+        self.calls.clear()
+
+
+def watch(f: FakeSlots, world: World, ops: Operations | None = None,
+          offload: Callable[[Callable[[], int]], Future[int]] = inline) -> LocalityWatch:
     return LocalityWatch(f, ops or Operations(f, f), lambda node: (node * 2, node * 2 + 1),
-                         sampler=world.sample, migrator=world.migrate, clock=lambda: 100.0, env={})
+                         sampler=world.sample, migrator=world.migrate, clock=lambda: 100.0, env={},
+                         offload=offload)
 
 
 def test_samples_show_in_status_and_off_never_repairs() -> None:
@@ -94,6 +125,37 @@ def test_migrate_after_the_hold_moves_pages_back_and_counts_it() -> None:
     for t in range(4, 20):
         lw.tick(float(t))
     assert len(world.migrated) == 1
+
+
+def test_a_migrate_runs_off_the_loop_and_its_slot_waits_for_it() -> None:
+    """The tick that starts a migrate returns before it ends (the kernel may copy GiBs); the slot
+    is not sampled meanwhile, and the result is counted on the first tick after it ended."""
+    f = serving(2, cfg(locality_interval=1.0, repair="migrate", repair_threshold=0.9, repair_hold=1))
+    world, held = World(), Held()
+    lw = watch(f, world, offload=held)
+    w1 = f.slots[1].worker
+    world.ratio[w1.pid] = 0.5
+    lw.tick(1.0)
+    assert len(held.calls) == 1 and world.migrated == [] and lw.status(f.slots[1])["repairs"] == {}
+    sampled = list(world.sampled)
+    lw.tick(2.0)
+    lw.tick(3.0)
+    assert world.sampled.count(w1.pid) == sampled.count(w1.pid)       # not sampled while it runs
+    assert world.sampled.count(f.slots[0].worker.pid) > sampled.count(f.slots[0].worker.pid)
+    held.finish()
+    assert world.migrated == [(w1.pid, (0,), (1,))] and lw.status(f.slots[1])["repairs"] == {}
+    lw.tick(4.0)                      # counted, and sampled again at once
+    st = lw.status(f.slots[1])
+    assert st["repairs"] == {"migrate": 1} and st["last_repairs"][0]["result"] == "ok"
+    lw.tick(4.5)
+    assert lw.status(f.slots[1])["local_ratio"] == 1.0 and len(held.calls) == 0
+
+
+def test_in_thread_runs_the_call_in_another_thread() -> None:
+    here = threading.get_ident()
+    assert in_thread(threading.get_ident).result(5) != here
+    fut = in_thread(lambda: 1 // 0)
+    assert isinstance(fut.exception(5), ZeroDivisionError)
 
 
 def test_a_failed_migrate_is_counted_with_its_error() -> None:
