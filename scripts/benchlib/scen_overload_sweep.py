@@ -89,9 +89,14 @@ def _narrowed(p: SweepParams, env: Mapping[str, str]) -> SweepParams:
     return dataclasses.replace(p, levels=levels or p.levels, shapes=shapes or p.shapes)
 
 
-def _config(name: str, p: SweepParams, base: str) -> ServerConfig:
+def _config(name: str, p: SweepParams, base: str, env: Mapping[str, str] = os.environ) -> ServerConfig:
+    """``NUMASERVE_SWEEP_TOML`` (TOML text) is added to this checkout's numaserve config, not to the
+    base's: an A/B of a setting against the same code started as ``--base``."""
     if name == BASE_LABEL:
         return ServerConfig("numaserve", workers=p.workers, app=APP, label=BASE_LABEL, checkout=base)
+    if name == "numaserve":
+        return ServerConfig(name, workers=p.workers, app=APP,
+                            numaserve_toml="\n" + env.get("NUMASERVE_SWEEP_TOML", "").replace("\\n", "\n"))
     return ServerConfig(name, workers=p.workers, app=APP)
 
 

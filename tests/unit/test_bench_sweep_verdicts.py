@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import pytest  # noqa: E402
 
-from benchlib.scen_overload_sweep import SweepParams, _narrowed, verdicts  # noqa: E402
+from benchlib.scen_overload_sweep import BASE_LABEL, SweepParams, _config, _narrowed, verdicts  # noqa: E402
 
 
 def _row(server: str, level: float, **medians: float | None) -> dict[str, Any]:
@@ -53,3 +53,12 @@ def test_the_environment_narrows_the_sweep_to_a_few_points() -> None:
     assert n.levels == (0.9, 1.0) and n.shapes == ("cooperative",) and n.duration_s == p.duration_s
     with pytest.raises(ValueError, match="NUMASERVE_SWEEP_SHAPES.*'blocked'"):
         _narrowed(p, {"NUMASERVE_SWEEP_SHAPES": "blocked"})
+
+
+def test_the_environment_adds_a_setting_to_this_checkouts_numaserve_only() -> None:
+    """``NUMASERVE_SWEEP_TOML``: an A/B of a setting against the same code run as ``--base``."""
+    p = SweepParams()
+    env = {"NUMASERVE_SWEEP_TOML": "[admission]\\ncpu_concurrency = 3"}
+    assert _config("numaserve", p, "/base", env).numaserve_toml.endswith("[admission]\ncpu_concurrency = 3")
+    assert "cpu_concurrency" not in _config(BASE_LABEL, p, "/base", env).numaserve_toml
+    assert _config("numaserve", p, "/base", {}).numaserve_toml.strip() == ""
