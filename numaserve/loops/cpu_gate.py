@@ -15,7 +15,8 @@ count.  Two signals say the loop is short:
   (sync handlers run in a thread pool).
 
 A request is shed (503) only when the loop is short of CPU (or has been
-overloaded — busy without an idle moment — for a while) **and** at least
+overloaded — busy without an idle moment for a while, while work arrives faster
+than the CPU does it) **and** at least
 ``cpu_concurrency`` other requests already wait for it, worth at least
 ``overload_wait_s`` of CPU (so 8 clients of a 5 ms endpoint queue, 3 of a
 20 ms one do not).  The second condition
@@ -82,6 +83,12 @@ CPU_WINDOW_S = 0.05
 OVERLOAD_ARRIVAL_RATIO = 1.5
 #: ... and the spell is at least this long (a handful of requests is no rate).
 OVERLOAD_MIN_SPELL_S = 0.02
+#: A loop busy without pause (``busy_threshold``) counts as overloaded only while work also arrives
+#: at least this many times as fast as its CPU does it (smoothed over ``ARRIVAL_TAU_S``): near
+#: capacity (0.9x, each worker at ~0.8 of its CPU) a second without an idle moment is chance, and
+#: the strict overload bound then refused a few % of requests a queue would have served.
+SUSTAINED_ARRIVAL_RATIO = 1.1
+ARRIVAL_TAU_S = 1.0
 #: A finished request's outcome -> the counter it adds to.
 _OUTCOME_COUNTER = {"ok": "ok", "dropped": "504", "ignored": "500", "bad_request": "400"}
 
@@ -273,6 +280,8 @@ class CpuGate:
         self._arrivals = 0                            # requests that reached the CPU decision (cumulative)
         self._spell_at = now                          # the loop's last idle moment (probe on time) ...
         self._spell_n = 0                             # ... and _arrivals then
+        self.arrival_rate = 0.0                       # requests/s reaching the CPU decision, smoothed
+        self._arr_at, self._arr_n = now, 0
         self._c: dict[str, int] = dict.fromkeys(
             ("admitted", "completed", "ok", "400", "429", "500", "503", "504", "gone"), 0)
         self._shed: dict[str, int] = {}
@@ -313,7 +322,14 @@ class CpuGate:
         self._probe_stopped = not self.probe_wanted()
         if self._unfolded:
             self._fold(now)
-        self._overloaded = self.lag.sustained(now, self.s.busy_threshold, self.s.busy_release, self._overloaded)
+        dt = now - self._arr_at
+        if dt >= CPU_WINDOW_S:
+            n = self._arrivals - self._arr_n
+            self.arrival_rate += (1.0 - math.exp(-dt / ARRIVAL_TAU_S)) * (n / dt - self.arrival_rate)
+            self._arr_at, self._arr_n = now, self._arrivals
+        was = self._overloaded
+        self._overloaded = self.lag.sustained(now, self.s.busy_threshold, self.s.busy_release, was) and (
+            was or self.arrival_rate * self.request_cpu_s >= SUSTAINED_ARRIVAL_RATIO)
 
     def on_cpu(self, now: float, loop_cpu_s: float, process_cpu_s: float) -> None:
         """Cumulative CPU of the loop's thread and of the whole process (thread-pool work = the difference)."""
@@ -555,6 +571,7 @@ class CpuGate:
             self._c["503"] += n
             self._shed["stalled"] = self._shed.get("stalled", 0) + n
             self._last_shed = max(self._last_shed, now)
+            self._arrivals += n
 
     def count_refusal(self, reason: str) -> None:
         """A refusal decided outside the gate (``connections``: ``server.max_connections``), counted
