@@ -89,6 +89,21 @@ def _narrowed(p: SweepParams, env: Mapping[str, str]) -> SweepParams:
     return dataclasses.replace(p, levels=levels or p.levels, shapes=shapes or p.shapes)
 
 
+def _fixed_capacity(env: Mapping[str, str]) -> float | None:
+    """``NUMASERVE_SWEEP_CAPACITY``: C in requests/s instead of measuring it (an A/B at the rates of
+    an earlier run with the peers; numaserve's closed-loop C counts only 2xx, so its own is low)."""
+    raw = env.get("NUMASERVE_SWEEP_CAPACITY", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"NUMASERVE_SWEEP_CAPACITY: expected requests/s > 0, got {raw!r}")
+    return value
+
+
 def _config(name: str, p: SweepParams, base: str, env: Mapping[str, str] = os.environ) -> ServerConfig:
     """``NUMASERVE_SWEEP_TOML`` (TOML text) is added to this checkout's numaserve config, not to the
     base's: an A/B of a setting against the same code started as ``--base``."""
@@ -144,11 +159,14 @@ def run(ctx: Ctx, p: SweepParams | None = None) -> dict[str, Any]:
             servers[name] = _start(_config(name, p, base))
         # capacity C, first, in this run: closed loop on the cooperative request, median of the servers
         per: dict[str, float] = {}
+        fixed = _fixed_capacity(os.environ)
         for name, srv in servers.items():
+            if fixed is not None:
+                break
             wait_idle(servers, p.idle_timeout_s)
             per[name] = round(_capacity(srv, PATHS["cooperative"], p.capacity_s), 1)
             ctx.log(f"overload-sweep capacity {name:14} {per[name]:.1f} req/s")
-        C = float(summarize(per.values())["median"])
+        C = fixed if fixed is not None else float(summarize(per.values())["median"])
         unloaded: dict[tuple[str, str], float | None] = {}
         for name, srv in servers.items():
             for shape, path in PATHS.items():

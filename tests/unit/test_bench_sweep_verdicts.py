@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import pytest  # noqa: E402
 
-from benchlib.scen_overload_sweep import BASE_LABEL, SweepParams, _config, _narrowed, verdicts  # noqa: E402
+from benchlib.scen_overload_sweep import BASE_LABEL, SweepParams, _config, _fixed_capacity, _narrowed, verdicts  # noqa: E402
 
 
 def _row(server: str, level: float, **medians: float | None) -> dict[str, Any]:
@@ -62,3 +62,11 @@ def test_the_environment_adds_a_setting_to_this_checkouts_numaserve_only() -> No
     assert _config("numaserve", p, "/base", env).numaserve_toml.endswith("[admission]\ncpu_concurrency = 3")
     assert "cpu_concurrency" not in _config(BASE_LABEL, p, "/base", env).numaserve_toml
     assert _config("numaserve", p, "/base", {}).numaserve_toml.strip() == ""
+
+
+def test_the_environment_can_fix_the_capacity() -> None:
+    assert _fixed_capacity({}) is None
+    assert _fixed_capacity({"NUMASERVE_SWEEP_CAPACITY": " 91.2 "}) == 91.2
+    for bad in ("fast", "0", "-3", "nan"):
+        with pytest.raises(ValueError, match="NUMASERVE_SWEEP_CAPACITY"):
+            _fixed_capacity({"NUMASERVE_SWEEP_CAPACITY": bad})
