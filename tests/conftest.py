@@ -39,18 +39,18 @@ def vm_group(nodeid: str) -> str:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Workers for ``-n auto`` (setup.cfg): one per CPU for the unit tests, two per CPU when slow tests run.
+    """Workers for ``-n auto`` (setup.cfg): two per CPU, for the unit tests as for the whole suite.
 
-    Unit tests are CPU-bound; the slow tests mostly wait on processes they started (a 'slow or vm'
-    run on 2 workers used 0.78 CPU on average), so a second worker per CPU pays for itself.
-    PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in xdist's own rule.
+    Neither keeps a worker's CPU busy: the slow tests wait on processes they started (a 'slow or vm'
+    run on 2 workers used 0.78 CPU on average), and a third of the unit tests' time is sleeps,
+    sockets and subprocesses (the fast command on 2 CPUs: 1.0 CPU busy on average with 2 workers,
+    59-63 s; 52 s with 3, 47-49 s with 4, 51-53 s with 6, each extra worker paying ~5 s of CPU to
+    import and collect). PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in xdist's own rule.
     """
     forced = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if forced:
         return int(forced)
-    cpus = len(os.sched_getaffinity(0))
-    unit_only = "not slow" in (config.getoption("markexpr", "") or "")
-    return cpus if unit_only else 2 * cpus
+    return 2 * len(os.sched_getaffinity(0))
 
 
 def _own_module_scoped(item: pytest.Item) -> bool:

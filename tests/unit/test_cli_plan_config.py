@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +17,10 @@ import numaserve.topology
 from numaserve.cli import main
 from numaserve.config import Config
 from numaserve.topology.model import Gpu, Nic, Node, Topology
+from tests import hwloc_dumps
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "numaserve.toml"
-HWLOC = REPO.parent / "shared" / "fixtures" / "hwloc"
 
 
 @pytest.fixture(autouse=True)
@@ -365,19 +363,6 @@ def test_plan_declared_pretend_nodes_on_this_machine(tmp_path: Path, empty_confi
     assert data["declared"] == str(topo)
 
 
-def _extract(name: str, dest: Path) -> Path:
-    tarball = HWLOC / f"{name}.tar.bz2"
-    if not tarball.is_file():
-        pytest.skip(f"hwloc fixture {tarball} absent")
-    if shutil.which("tar"):  # several times faster than tarfile on the 7000-file dumps (as tests/unit/topology)
-        subprocess.run(["tar", "xjf", str(tarball), "-C", str(dest), "--no-same-owner"], check=True)
-    else:
-        with tarfile.open(tarball) as tf:
-            tf.extractall(dest, filter="tar")
-    (top,) = [p for p in dest.iterdir() if p.is_dir()]  # top folder name differs from the file's
-    return top
-
-
 @needs_discover
 @pytest.mark.fixtures
 @pytest.mark.parametrize(
@@ -389,10 +374,10 @@ def _extract(name: str, dest: Path) -> Path:
     ],
 )
 def test_plan_hwloc_fixtures(
-    fixture: str, expect_nodes: list[int], expect_skipped: list[int], tmp_path: Path,
+    fixture: str, expect_nodes: list[int], expect_skipped: list[int],
     capsys: pytest.CaptureFixture[str], empty_config: Path,
 ) -> None:
-    root = _extract(fixture, tmp_path)
+    root = hwloc_dumps.extracted(fixture)
     code, out, err = run(["plan", "--config", str(empty_config), "--root", str(root), "--json"], capsys)
     assert code == 0, err
     data = json.loads(out)

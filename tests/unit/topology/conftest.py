@@ -1,18 +1,14 @@
 """Fixtures for discovery tests: hwloc dumps (extracted once) and a fake-tree builder.
 
-``hwloc_root(name)`` extracts ``../shared/fixtures/hwloc/<name>.tar.bz2`` into a
-session tmp dir and returns the directory that holds ``sys/`` (the tarballs'
-top folder differs from the file name); the test is skipped when the shared
-fixtures are absent.  ``fake`` is a ``FakeRoot``: small sysfs/procfs trees
+``hwloc_root(name)`` returns the directory that holds ``sys/`` of
+``../shared/fixtures/hwloc/<name>.tar.bz2``, extracted once per machine
+(``tests/hwloc_dumps.py``); the test is skipped when the shared fixtures are absent.  ``fake`` is a ``FakeRoot``: small sysfs/procfs trees
 written as plain files and relative symlinks, like the kernel's.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tarfile
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -20,9 +16,10 @@ import pytest
 
 from numaserve.cpulist import format_mask, parse_list
 
+from tests import hwloc_dumps
+from tests.hwloc_dumps import HWLOC_DIR
+
 REPO = Path(__file__).resolve().parents[3]
-# NUMASERVE_HWLOC_DIR: the dumps elsewhere (a worktree whose ../shared is not beside it)
-HWLOC_DIR = Path(os.environ.get("NUMASERVE_HWLOC_DIR") or REPO / ".." / "shared" / "fixtures" / "hwloc")
 STATIC_TREES = REPO / "tests" / "fixtures" / "sysfs"
 
 # fixture name -> ground-truth file (lstopo output) beside it
@@ -37,27 +34,9 @@ HWLOC_FIXTURES: dict[str, str] = {
 
 
 @pytest.fixture(scope="session")
-def hwloc_root(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """name → extracted root of that hwloc dump (extracted once per session)."""
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        tarball = HWLOC_DIR / f"{name}.tar.bz2"
-        if not tarball.is_file():
-            pytest.skip(f"hwloc fixture {tarball} not present")
-        if name not in cache:
-            dest = tmp_path_factory.mktemp("hwloc")
-            if shutil.which("tar"):  # several times faster than tarfile on the 7000-file dumps
-                subprocess.run(["tar", "xjf", str(tarball), "-C", str(dest), "--no-same-owner"], check=True)
-            else:
-                with tarfile.open(tarball, "r:bz2") as tf:
-                    tf.extractall(dest, filter="data")
-            roots = [p.parent for p in dest.glob("*/sys") if p.is_dir()] + [p.parent for p in dest.glob("sys")]
-            assert len(roots) == 1, f"{tarball}: expected one folder with sys/, found {roots}"
-            cache[name] = roots[0]
-        return cache[name]
-
-    return get
+def hwloc_root() -> Callable[[str], Path]:
+    """name → extracted root of that hwloc dump (extracted once per machine: tests/hwloc_dumps.py)."""
+    return hwloc_dumps.extracted
 
 
 @pytest.fixture(scope="session")
