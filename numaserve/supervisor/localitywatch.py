@@ -15,6 +15,11 @@ A migrate runs in a thread, off the supervision loop: the kernel copies every pa
 second per few GiB on real hardware and 10-30 s for 200 MiB in the emulated lab VM, where the
 loop it held let ``/metrics`` time out after 30 s (and would have missed systemd's watchdog).
 The slot is not sampled while its migrate runs; the result is taken on a later tick.
+
+A sample runs in a thread too, one at a time: reading ``numa_maps`` walks the worker's page
+tables in the kernel, 74 ms for a 6 GiB worker here (as long as ``smaps_rollup``), so a model
+worker of tens of GiB held the loop for most of a second per sample. The sample is judged on
+the first tick after it ended, and dropped if the slot's worker changed meanwhile.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, TypeVar
 
 import structlog
 
@@ -58,13 +64,16 @@ TICK_BUDGET_S = 0.02
 Sampler = Callable[[int, tuple[int, ...], tuple[int, ...]], LocalitySample]
 Migrator = Callable[[int, tuple[int, ...], tuple[int, ...]], int]
 #: Runs a blocking call off the supervision loop; its Future may already be done (tests run it inline).
-Offload = Callable[[Callable[[], int]], "Future[int]"]
+Offload = Callable[[Callable[[], Any]], "Future[Any]"]
+
+T = TypeVar("T")
 
 
-def in_thread(fn: Callable[[], int]) -> Future[int]:
-    """``fn`` in a daemon thread (a migrate is rare: no pool kept).  ctypes drops the GIL for the
-    syscall, so the loop runs on while the kernel copies pages."""
-    fut: Future[int] = Future()
+def in_thread(fn: Callable[[], T]) -> Future[T]:
+    """``fn`` in a daemon thread (a migrate or a sample every few seconds at most: no pool kept).
+    ctypes drops the GIL for the migrate syscall, file reads drop it for the kernel's page-table
+    walk, so the loop runs on meanwhile."""
+    fut: Future[T] = Future()
 
     def body() -> None:
         if not fut.set_running_or_notify_cancel():
@@ -74,7 +83,7 @@ def in_thread(fn: Callable[[], int]) -> Future[int]:
         except BaseException as e:  # handed to the loop with the result
             fut.set_exception(e)
 
-    threading.Thread(target=body, name="ns-locality-migrate", daemon=True).start()
+    threading.Thread(target=body, name="ns-locality", daemon=True).start()
     return fut
 
 
@@ -88,6 +97,16 @@ class _Migration:
     src: tuple[int, ...]
     started: float
     future: Future[int]
+
+
+@dataclass
+class _Sampling:
+    """A sample running off the loop."""
+
+    slot: SlotState
+    worker: WorkerProc
+    seen: "_Seen"
+    future: Future[LocalitySample]
 
 
 @dataclass
@@ -117,6 +136,7 @@ class LocalityWatch:
         self.migrator = migrator
         self.offload = offload
         self.migrating: dict[int, _Migration] = {}               # slot -> its migrate in a thread
+        self.sampling: _Sampling | None = None                    # the sample in a thread (one at a time)
         self.clock = clock
         self.seen: dict[int, _Seen] = {}
         self.judge = LocalityJudge(self._settings())
@@ -162,8 +182,11 @@ class LocalityWatch:
         if settings != self.judge.settings:      # a reload changed the repair keys
             self.judge.settings = settings
         workers = sum(1 for s in self.ctl.slots.values() if s.worker is not None)
+        self._sampled(now, base, workers)
         spent = 0.0
         for slot in self.ctl.slots.values():
+            if self.sampling is not None:   # one sample at a time
+                break
             w = slot.worker
             if w is None or w.popen.poll() is not None or (w.hello is None and not w.external):
                 continue
@@ -172,20 +195,41 @@ class LocalityWatch:
                 seen = self.seen[slot.plan.slot] = _Seen(w.pid, w.generation)
             if now < seen.due or spent >= TICK_BUDGET_S or slot.plan.slot in self.migrating:
                 continue
-            spent += self._sample(slot, w, seen, now, base, workers)
+            spent += self._start_sample(slot, w, seen, now, base, workers)
         live = {s.plan.slot for s in self.ctl.slots.values() if s.worker is not None}
         for n in [n for n in self.seen if n not in live]:
             del self.seen[n]
         self.judge.forget(live)
 
-    def _sample(self, slot: SlotState, w: WorkerProc, seen: _Seen, now: float, base: float, workers: int) -> float:
-        """Sample one worker, judge it, repair if due; the CPU seconds the sample took."""
+    def _start_sample(self, slot: SlotState, w: WorkerProc, seen: _Seen, now: float, base: float,
+                      workers: int) -> float:
+        """Sample one worker off the loop; judged now if the offload already finished it (tests),
+        else on the tick after it ends. The CPU seconds judged now."""
         nodes = self.own_nodes(slot)
         cpus: tuple[int, ...] = ()
         for n in nodes:
             cpus += self.node_cpus(n)
+        pid, where = w.pid, cpus or tuple(slot.plan.cpus)
+        job = _Sampling(slot, w, seen, self.offload(partial(self.sampler, pid, nodes, where)))
+        if job.future.done():
+            return self._judge(job, now, base, workers)
+        self.sampling = job
+        return 0.0
+
+    def _sampled(self, now: float, base: float, workers: int) -> None:
+        """Judge the sample that ended since the last tick, unless its worker is gone or replaced."""
+        job = self.sampling
+        if job is None or not job.future.done():
+            return
+        self.sampling = None
+        if job.slot.worker is job.worker and self.seen.get(job.slot.plan.slot) is job.seen:
+            self._judge(job, now, base, workers)
+
+    def _judge(self, job: _Sampling, now: float, base: float, workers: int) -> float:
+        """Record a finished sample, judge it, repair if due; the CPU seconds the sample took."""
+        slot, w, seen = job.slot, job.worker, job.seen
         try:
-            sample = self.sampler(w.pid, nodes, cpus or tuple(slot.plan.cpus))
+            sample = job.future.result()
         except (OSError, ValueError) as e:
             seen.due = now + base
             log.debug("locality_unreadable", slot=slot.plan.slot, pid=w.pid, error=str(e))
@@ -231,7 +275,7 @@ class LocalityWatch:
             return
         pid, nodes = w.pid, sample.nodes
         job = _Migration(slot, w, sample, src, time.monotonic(),
-                         self.offload(lambda: self.migrator(pid, src, nodes)))
+                         self.offload(partial(self.migrator, pid, src, nodes)))
         if job.future.done():
             self._settle(job, now)
         else:
