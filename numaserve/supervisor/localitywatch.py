@@ -16,10 +16,11 @@ second per few GiB on real hardware and 10-30 s for 200 MiB in the emulated lab 
 loop it held let ``/metrics`` time out after 30 s (and would have missed systemd's watchdog).
 The slot is not sampled while its migrate runs; the result is taken on a later tick.
 
-A sample runs in a thread too, one at a time: reading ``numa_maps`` walks the worker's page
-tables in the kernel, 74 ms for a 6 GiB worker here (as long as ``smaps_rollup``), so a model
-worker of tens of GiB held the loop for most of a second per sample. The sample is judged on
-the first tick after it ended, and dropped if the slot's worker changed meanwhile.
+The samples run in a thread too: reading ``numa_maps`` walks the worker's page tables in the
+kernel, 74 ms for a 6 GiB worker here (as long as ``smaps_rollup``), so a model worker of tens of
+GiB held the loop for most of a second per sample. The workers due at a tick are sampled one
+after the other in one thread (no new batch while one runs); each sample is judged on the first
+tick after the batch ended, and dropped if the slot's worker changed meanwhile.
 """
 
 from __future__ import annotations
@@ -57,9 +58,6 @@ CPU_BUDGET = 0.002
 #: hardware the budget was set for, e.g. the emulated 2-node lab VM, whose samples cost 50-400x
 #: more CPU and were spaced 100-400 s apart (its locality test: docs/testing.md).
 BUDGET_ENV = "NUMASERVE_LOCALITY_CPU_BUDGET"
-#: CPU seconds of sampling in one tick: workers started together fall due together, and 32 of them
-#: in one go would hold the supervision loop for ~70 ms; the rest are sampled on the next ticks.
-TICK_BUDGET_S = 0.02
 
 Sampler = Callable[[int, tuple[int, ...], tuple[int, ...]], LocalitySample]
 Migrator = Callable[[int, tuple[int, ...], tuple[int, ...]], int]
@@ -100,13 +98,22 @@ class _Migration:
 
 
 @dataclass
-class _Sampling:
-    """A sample running off the loop."""
+class _Batch:
+    """The samples of the workers due at one tick, running off the loop."""
 
-    slot: SlotState
-    worker: WorkerProc
-    seen: "_Seen"
-    future: Future[LocalitySample]
+    due: list[tuple[SlotState, WorkerProc, "_Seen"]]
+    future: Future[list[LocalitySample | Exception]]
+
+
+def sample_all(calls: list[Callable[[], LocalitySample]]) -> list[LocalitySample | Exception]:
+    """Each sample in turn (in the offload's thread); an unreadable worker's error is its result."""
+    out: list[LocalitySample | Exception] = []
+    for call in calls:
+        try:
+            out.append(call())
+        except (OSError, ValueError) as e:
+            out.append(e)
+    return out
 
 
 @dataclass
@@ -136,7 +143,7 @@ class LocalityWatch:
         self.migrator = migrator
         self.offload = offload
         self.migrating: dict[int, _Migration] = {}               # slot -> its migrate in a thread
-        self.sampling: _Sampling | None = None                    # the sample in a thread (one at a time)
+        self.sampling: _Batch | None = None                       # the samples running in a thread
         self.clock = clock
         self.seen: dict[int, _Seen] = {}
         self.judge = LocalityJudge(self._settings())
@@ -183,57 +190,60 @@ class LocalityWatch:
             self.judge.settings = settings
         workers = sum(1 for s in self.ctl.slots.values() if s.worker is not None)
         self._sampled(now, base, workers)
-        spent = 0.0
+        due: list[tuple[SlotState, WorkerProc, _Seen]] = []
         for slot in self.ctl.slots.values():
-            if self.sampling is not None:   # one sample at a time
-                break
             w = slot.worker
             if w is None or w.popen.poll() is not None or (w.hello is None and not w.external):
                 continue
             seen = self.seen.get(slot.plan.slot)
             if seen is None or seen.pid != w.pid or seen.generation != w.generation:
                 seen = self.seen[slot.plan.slot] = _Seen(w.pid, w.generation)
-            if now < seen.due or spent >= TICK_BUDGET_S or slot.plan.slot in self.migrating:
-                continue
-            spent += self._start_sample(slot, w, seen, now, base, workers)
+            if now >= seen.due and slot.plan.slot not in self.migrating:
+                due.append((slot, w, seen))
+        if due and self.sampling is None:
+            self._start_samples(due, now, base, workers)
         live = {s.plan.slot for s in self.ctl.slots.values() if s.worker is not None}
         for n in [n for n in self.seen if n not in live]:
             del self.seen[n]
         self.judge.forget(live)
 
-    def _start_sample(self, slot: SlotState, w: WorkerProc, seen: _Seen, now: float, base: float,
-                      workers: int) -> float:
-        """Sample one worker off the loop; judged now if the offload already finished it (tests),
-        else on the tick after it ends. The CPU seconds judged now."""
-        nodes = self.own_nodes(slot)
-        cpus: tuple[int, ...] = ()
-        for n in nodes:
-            cpus += self.node_cpus(n)
-        pid, where = w.pid, cpus or tuple(slot.plan.cpus)
-        job = _Sampling(slot, w, seen, self.offload(partial(self.sampler, pid, nodes, where)))
-        if job.future.done():
-            return self._judge(job, now, base, workers)
-        self.sampling = job
-        return 0.0
+    def _start_samples(self, due: list[tuple[SlotState, WorkerProc, _Seen]], now: float, base: float,
+                       workers: int) -> None:
+        """Sample the due workers off the loop; judged now if the offload already ran them (tests),
+        else on the tick after the batch ends."""
+        calls = []
+        for slot, w, _ in due:
+            nodes = self.own_nodes(slot)
+            cpus: tuple[int, ...] = ()
+            for n in nodes:
+                cpus += self.node_cpus(n)
+            calls.append(partial(self.sampler, w.pid, nodes, cpus or tuple(slot.plan.cpus)))
+        batch = _Batch(due, self.offload(partial(sample_all, calls)))
+        if batch.future.done():
+            self._judge_all(batch, now, base, workers)
+        else:
+            self.sampling = batch
 
     def _sampled(self, now: float, base: float, workers: int) -> None:
-        """Judge the sample that ended since the last tick, unless its worker is gone or replaced."""
-        job = self.sampling
-        if job is None or not job.future.done():
-            return
-        self.sampling = None
-        if job.slot.worker is job.worker and self.seen.get(job.slot.plan.slot) is job.seen:
-            self._judge(job, now, base, workers)
+        """Judge the batch that ended since the last tick."""
+        batch = self.sampling
+        if batch is not None and batch.future.done():
+            self.sampling = None
+            self._judge_all(batch, now, base, workers)
 
-    def _judge(self, job: _Sampling, now: float, base: float, workers: int) -> float:
-        """Record a finished sample, judge it, repair if due; the CPU seconds the sample took."""
-        slot, w, seen = job.slot, job.worker, job.seen
-        try:
-            sample = job.future.result()
-        except (OSError, ValueError) as e:
+    def _judge_all(self, batch: _Batch, now: float, base: float, workers: int) -> None:
+        """Judge each sample of a batch, unless its slot's worker is gone or was replaced meanwhile."""
+        for (slot, w, seen), got in zip(batch.due, batch.future.result()):
+            if slot.worker is w and self.seen.get(slot.plan.slot) is seen:
+                self._judge(slot, w, seen, got, now, base, workers)
+
+    def _judge(self, slot: SlotState, w: WorkerProc, seen: _Seen, sample: LocalitySample | Exception,
+               now: float, base: float, workers: int) -> None:
+        """Record a finished sample, judge it, repair if due."""
+        if isinstance(sample, Exception):
             seen.due = now + base
-            log.debug("locality_unreadable", slot=slot.plan.slot, pid=w.pid, error=str(e))
-            return 0.0
+            log.debug("locality_unreadable", slot=slot.plan.slot, pid=w.pid, error=str(sample))
+            return
         self.cost_s += sample.cost_s
         self.samples += 1
         seen.sample, seen.at = sample, now
@@ -247,7 +257,6 @@ class LocalityWatch:
             self._migrate(slot, w, sample, now)
         elif action == "recycle":
             self._recycle(slot, w, sample)
-        return sample.cost_s
 
     def _confirming(self, slot: SlotState, w: WorkerProc) -> bool:
         """The worker is low and counting towards a repair it never had: its next sample comes

@@ -13,7 +13,7 @@ from slotfakes import FakeSlots, held_operation
 from numaserve.bind.locality import LocalitySample
 from numaserve.config import Config
 from numaserve.supervisor import slots as S
-from numaserve.supervisor.localitywatch import BUDGET_ENV, CPU_BUDGET, LocalityWatch, in_thread
+from numaserve.supervisor.localitywatch import BUDGET_ENV, CPU_BUDGET, LocalityWatch, in_thread, sample_all
 from numaserve.supervisor.operations import Operations
 
 
@@ -156,34 +156,40 @@ def test_a_migrate_runs_off_the_loop_and_its_slot_waits_for_it() -> None:
     assert lw.status(f.slots[1])["local_ratio"] == 1.0 and len(held.calls) == 0
 
 
-def test_a_sample_runs_off_the_loop_one_at_a_time_and_a_replaced_workers_sample_is_dropped() -> None:
+def test_samples_are_judged_after_their_batch_ends_and_a_replaced_workers_sample_is_dropped() -> None:
     """Reading numa_maps walks the worker's page tables (74 ms for 6 GiB here): the tick that
-    starts a sample returns before it ends, no other sample starts meanwhile, and the sample is
-    judged on the first tick after it ended, unless the slot's worker was replaced."""
+    starts the samples returns before they end, they are judged on the first tick after, and a
+    sample of a worker that was replaced meanwhile is dropped (its successor is sampled)."""
     f = serving(2, cfg(locality_interval=1.0))
     world = World()
-    held = Held(only=world.sample)
+    held = Held(only=sample_all)
     lw = watch(f, world, offload=held)
-    w0 = f.slots[0].worker
+    w0, slot1 = f.slots[0].worker, f.slots[1]
     world.ratio[w0.pid] = 0.25
-    lw.tick(1.0)
-    lw.tick(1.5)
-    assert len(held.calls) == 1 and world.sampled == [] and lw.status(f.slots[0])["local_ratio"] is None
-    held.finish()
-    assert world.sampled == [w0.pid] and lw.status(f.slots[0])["local_ratio"] is None
-    lw.tick(2.0)                      # judged, and the next slot's sample started
-    assert lw.status(f.slots[0])["local_ratio"] == 0.25 and len(held.calls) == 1
-    slot1 = f.slots[1]
     old = slot1.worker
-    f.start_worker(slot1, 2.1)        # slot 1 gets a new worker while its old one is sampled
+    lw.tick(1.0)
+    assert len(held.calls) == 1 and world.sampled == []
+    f.start_worker(slot1, 1.2)        # slot 1 gets a new worker while the old one is sampled
     assert slot1.worker is not old
     held.finish()
-    lw.tick(2.5)                      # the old worker's sample is dropped ...
-    assert lw.status(slot1)["local_ratio"] is None and lw.samples == 1
-    held.finish()
-    lw.tick(3.0)
-    assert world.sampled[-1] == slot1.worker.pid   # ... and the new one sampled instead
-    assert lw.status(slot1)["local_ratio"] == 1.0 and lw.samples == 2
+    assert world.sampled == [w0.pid, old.pid] and lw.samples == 0
+    lw.tick(1.5)                      # judged: slot 0's sample counts, the old worker's is dropped
+    assert lw.status(f.slots[0])["local_ratio"] == 0.25 and lw.samples == 1
+    assert lw.status(slot1)["local_ratio"] is None
+    held.finish()                     # the new worker's sample, started by that tick
+    lw.tick(1.6)
+    assert world.sampled[-1] == slot1.worker.pid and lw.status(slot1)["local_ratio"] == 1.0 and lw.samples == 2
+
+
+def test_a_worker_that_cannot_be_read_does_not_stop_the_others_samples() -> None:
+    def gone() -> LocalitySample:
+        raise ProcessLookupError(3, "No such process")
+
+    def fine() -> LocalitySample:
+        return LocalitySample(7, (0,), {0: 10}, threads=1, threads_off_node=0, cost_s=0.0)
+
+    got = sample_all([gone, fine])
+    assert isinstance(got[0], ProcessLookupError) and isinstance(got[1], LocalitySample)
 
 
 def test_in_thread_runs_the_call_in_another_thread() -> None:
@@ -305,19 +311,23 @@ def test_a_low_worker_is_confirmed_at_the_base_interval_once_per_worker() -> Non
     assert len(world2.sampled) == 2
 
 
-def test_workers_due_together_are_spread_over_ticks() -> None:
-    from numaserve.supervisor.localitywatch import TICK_BUDGET_S
-
+def test_workers_due_together_are_sampled_in_one_batch_off_the_loop() -> None:
+    """Workers started together fall due together: one thread samples them one after the other
+    (32 small ones held the loop ~70 ms when it sampled them itself), and no second batch starts
+    while one runs."""
     f = serving(4, cfg(locality_interval=10.0))
     world = World()
-    world.cost = TICK_BUDGET_S / 2            # two samples fill a tick's share
-    lw = watch(f, world)
+    held = Held(only=sample_all)
+    lw = watch(f, world, offload=held)
     lw.tick(1.0)
-    assert len(world.sampled) == 2
     lw.tick(2.0)
-    assert len(world.sampled) == 4 and len(set(world.sampled)) == 4   # the other two, not the first again
+    assert len(held.calls) == 1 and world.sampled == []
+    held.finish()
+    assert len(world.sampled) == 4 and len(set(world.sampled)) == 4
     lw.tick(3.0)
-    assert len(world.sampled) == 4
+    assert lw.samples == 4 and all(lw.status(s)["local_ratio"] == 1.0 for s in f.slots.values())
+    lw.tick(4.0)
+    assert held.calls == []            # none due again before locality_interval
 
 
 def test_the_budget_can_be_raised_for_a_slow_cpu_and_a_bad_value_is_ignored_by_name() -> None:
