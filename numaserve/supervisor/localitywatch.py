@@ -103,6 +103,7 @@ class _Batch:
 
     due: list[tuple[SlotState, WorkerProc, "_Seen"]]
     future: Future[list[LocalitySample | Exception]]
+    at: float                      # the tick that started it: when the samples were taken
 
 
 def sample_all(calls: list[Callable[[], LocalitySample]]) -> list[LocalitySample | Exception]:
@@ -218,7 +219,7 @@ class LocalityWatch:
             for n in nodes:
                 cpus += self.node_cpus(n)
             calls.append(partial(self.sampler, w.pid, nodes, cpus or tuple(slot.plan.cpus)))
-        batch = _Batch(due, self.offload(partial(sample_all, calls)))
+        batch = _Batch(due, self.offload(partial(sample_all, calls)), now)
         if batch.future.done():
             self._judge_all(batch, now, base, workers)
         else:
@@ -235,24 +236,26 @@ class LocalityWatch:
         """Judge each sample of a batch, unless its slot's worker is gone or was replaced meanwhile."""
         for (slot, w, seen), got in zip(batch.due, batch.future.result()):
             if slot.worker is w and self.seen.get(slot.plan.slot) is seen:
-                self._judge(slot, w, seen, got, now, base, workers)
+                self._judge(slot, w, seen, got, batch.at, now, base, workers)
 
     def _judge(self, slot: SlotState, w: WorkerProc, seen: _Seen, sample: LocalitySample | Exception,
-               now: float, base: float, workers: int) -> None:
-        """Record a finished sample, judge it, repair if due."""
+               at: float, now: float, base: float, workers: int) -> None:
+        """Record a finished sample (taken at ``at``), judge it, repair if due.  The next one is
+        due an interval after this one was taken, not after it was judged: a batch judged on the
+        next tick would otherwise make every interval a tick longer (every other tick at 1 s)."""
         if isinstance(sample, Exception):
-            seen.due = now + base
+            seen.due = at + base
             log.debug("locality_unreadable", slot=slot.plan.slot, pid=w.pid, error=str(sample))
             return
         self.cost_s += sample.cost_s
         self.samples += 1
-        seen.sample, seen.at = sample, now
+        seen.sample, seen.at = sample, at
         seen.interval = interval_for(base, sample.cost_s, workers, self.budget)
-        seen.due = now + seen.interval
+        seen.due = at + seen.interval
         ratio = sample.local_ratio
         action = self.judge.observe(slot.plan.slot, w.generation, ratio)
         if action is None and self._confirming(slot, w):
-            seen.due = now + base
+            seen.due = at + base
         if action == "migrate":
             self._migrate(slot, w, sample, now)
         elif action == "recycle":

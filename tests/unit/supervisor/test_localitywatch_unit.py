@@ -181,6 +181,19 @@ def test_samples_are_judged_after_their_batch_ends_and_a_replaced_workers_sample
     assert world.sampled[-1] == slot1.worker.pid and lw.status(slot1)["local_ratio"] == 1.0 and lw.samples == 2
 
 
+def test_a_sample_judged_a_tick_late_keeps_the_interval_from_when_it_was_taken() -> None:
+    """locality_interval = 1 s, ticks 1 s apart, each batch judged on the next tick: every worker
+    is still sampled every second (judging from the tick that judged it gave every other second)."""
+    f = serving(1, cfg(locality_interval=1.0))
+    world = World()
+    held = Held(only=sample_all)
+    lw = watch(f, world, offload=held)
+    for t in range(1, 11):
+        lw.tick(float(t))
+        held.finish()
+    assert len(world.sampled) == 10 and lw.samples == 9
+
+
 def test_a_worker_that_cannot_be_read_does_not_stop_the_others_samples() -> None:
     def gone() -> LocalitySample:
         raise ProcessLookupError(3, "No such process")
