@@ -58,6 +58,10 @@ CPU_BUDGET = 0.002
 #: hardware the budget was set for, e.g. the emulated 2-node lab VM, whose samples cost 50-400x
 #: more CPU and were spaced 100-400 s apart (its locality test: docs/testing.md).
 BUDGET_ENV = "NUMASERVE_LOCALITY_CPU_BUDGET"
+#: A sample batch still running after this many seconds is logged once (``locality_sample_stuck``):
+#: a ``numa_maps`` read can hang on a process stuck in the kernel, and no other sample starts
+#: meanwhile.  Normal batches take milliseconds (seconds in the emulated lab VM).
+STUCK_AFTER_S = 120.0
 
 Sampler = Callable[[int, tuple[int, ...], tuple[int, ...]], LocalitySample]
 Migrator = Callable[[int, tuple[int, ...], tuple[int, ...]], int]
@@ -104,6 +108,7 @@ class _Batch:
     due: list[tuple[SlotState, WorkerProc, "_Seen"]]
     future: Future[list[LocalitySample | Exception]]
     at: float                      # the tick that started it: when the samples were taken
+    warned: bool = False           # logged as stuck
 
 
 def sample_all(calls: list[Callable[[], LocalitySample]]) -> list[LocalitySample | Exception]:
@@ -228,9 +233,17 @@ class LocalityWatch:
     def _sampled(self, now: float, base: float, workers: int) -> None:
         """Judge the batch that ended since the last tick."""
         batch = self.sampling
-        if batch is not None and batch.future.done():
+        if batch is None:
+            return
+        if batch.future.done():
             self.sampling = None
             self._judge_all(batch, now, base, workers)
+        elif not batch.warned and now - batch.at >= STUCK_AFTER_S:
+            batch.warned = True
+            log.warning("locality_sample_stuck", seconds=round(now - batch.at, 1),
+                        slots=[slot.plan.slot for slot, _, _ in batch.due],
+                        pids=[w.pid for _, w, _ in batch.due],
+                        why="reading /proc/PID/numa_maps has not returned; no worker is sampled until it does")
 
     def _judge_all(self, batch: _Batch, now: float, base: float, workers: int) -> None:
         """Judge each sample of a batch, unless its slot's worker is gone or was replaced meanwhile."""

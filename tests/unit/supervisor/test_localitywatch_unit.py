@@ -194,6 +194,26 @@ def test_a_sample_judged_a_tick_late_keeps_the_interval_from_when_it_was_taken()
     assert len(world.sampled) == 10 and lw.samples == 9
 
 
+def test_a_batch_that_does_not_return_is_logged_once_and_sampling_resumes_after_it() -> None:
+    from structlog.testing import capture_logs
+
+    from numaserve.supervisor.localitywatch import STUCK_AFTER_S
+
+    f = serving(1, cfg(locality_interval=1.0))
+    world = World()
+    held = Held(only=sample_all)
+    lw = watch(f, world, offload=held)
+    with capture_logs() as logs:
+        for t in range(0, int(STUCK_AFTER_S) + 30, 10):
+            lw.tick(float(t))
+    stuck = [e for e in logs if e["event"] == "locality_sample_stuck"]
+    assert len(stuck) == 1 and stuck[0]["slots"] == [0] and stuck[0]["seconds"] >= STUCK_AFTER_S
+    assert len(held.calls) == 1 and lw.samples == 0
+    held.finish()
+    lw.tick(STUCK_AFTER_S + 40)
+    assert lw.samples == 1 and len(held.calls) == 1      # judged, and the next batch started
+
+
 def test_a_worker_that_cannot_be_read_does_not_stop_the_others_samples() -> None:
     def gone() -> LocalitySample:
         raise ProcessLookupError(3, "No such process")
