@@ -93,7 +93,10 @@ def test_batched_embeddings_under_concurrency_match_single_requests() -> None:
 
 # --- cache ------------------------------------------------------------------------------------
 
-CACHE_CONFIG = FAST_CONFIG + """
+#: keep-alive 60 s, not FAST_CONFIG's 2 s: the tests keep one connection per worker open across a
+#: `numaserve cache` CLI call, which took over 2 s on a saturated CI (the server closed the idle
+#: connection and the next request met RemoteDisconnected).
+CACHE_CONFIG = FAST_CONFIG.replace("keepalive_timeout = 2.0", "keepalive_timeout = 60.0") + """
 [cache]
 enabled = true
 deterministic_paths = ["/v1/embeddings"]
