@@ -660,8 +660,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         grant = self._owned.pop(task, None)
         if grant is not None and not grant.released:
             self._gate.release(self._clock(), grant, "dropped")
-        if task.cancelled() and task is self._current_task:
-            self._close_unanswered()
+        if task is self._current_task:
+            self._current_task = None   # an idle keep-alive connection holds no finished task
+            if task.cancelled():
+                self._close_unanswered()
 
     def _close_unanswered(self) -> None:
         """The running request's task was cancelled before its response ended: nothing will
