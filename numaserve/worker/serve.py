@@ -156,6 +156,7 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
         timeout_graceful_shutdown=spec.graceful_timeout,  # type: ignore[arg-type]
         h11_max_incomplete_event_size=spec.max_header_bytes,
         limit_concurrency=spec.max_connections or None,
+        backlog=spec.server.backlog,  # uvicorn listen()s again with its own (2048) otherwise
         access_log=False,  # numaserve.accesslog writes the line once the response ended (build_stack)
         root_path=spec.server.root_path,
         # off unless configured: uvicorn's default trusts X-Forwarded-* from 127.0.0.1 and

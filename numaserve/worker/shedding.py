@@ -355,6 +355,10 @@ class Sentinel(threading.Thread):
     STALL_POLL_S = 0.001
     #: Nothing in flight for this long: sleep on the ``busy`` event (the next admission sets it).
     PARK_AFTER_S = 1.0
+    #: Longest sleep in poll() with nothing to answer (ms).
+    IDLE_POLL_MS = 50.0
+    #: A connection waits and the loop is not stalled (yet): look again this soon.
+    QUEUED_LOOK_S = 0.01
     #: A shed connection whose request head has not arrived is answered after this long anyway.
     HEAD_WAIT_S = 0.05
     #: After the 503 and FIN, what the client still sends is read and dropped this long (no RST).
@@ -403,6 +407,7 @@ class Sentinel(threading.Thread):
         stalled_before = False
         queue = self._poll
         idle_since: float | None = None
+        nap = self.STALL_POLL_S
         while not self._stop_evt.is_set():
             if gate.inflight <= 0 and not self._pending and not self._linger:
                 now = time.monotonic()
@@ -410,14 +415,23 @@ class Sentinel(threading.Thread):
                     idle_since = now
                 if now - idle_since < self.PARK_AFTER_S:
                     # between two requests of a flow: stay off the event (parking it here and
-                    # setting it on the next admission takes its lock in both threads per gap)
-                    self._stop_evt.wait(0.05)   # (not poll(): nothing to answer with nothing in flight)
+                    # setting it on the next admission takes its lock in both threads per gap), but
+                    # in poll() on the listeners, not blind: the loop takes the next connection and
+                    # may block on its handler at once, and the connections queued behind that call
+                    # waited unseen for the rest of a blind 50 ms sleep (2x capacity, blocking
+                    # handlers: a quarter of the sentinel's 503s came 55 ms late)
+                    if any(fd in self._listen_fds for fd, _ in queue.poll(self.IDLE_POLL_MS)):
+                        # the idle loop takes it now; a loop held by something that is no request
+                        # (nothing to answer then) is looked at less and less often
+                        self._stop_evt.wait(nap)
+                        nap = min(nap * 2, self.IDLE_POLL_MS / 1000.0)
                     continue
                 rt.busy.clear()          # then look again: an admission in between sets it anew
                 if gate.inflight <= 0:
                     rt.busy.wait(1.0)
                 continue
             idle_since = None
+            nap = self.STALL_POLL_S
             now = time.monotonic()
             probe = rt.probe
             stalled_for = now - probe.beat - probe.period
@@ -437,9 +451,8 @@ class Sentinel(threading.Thread):
                     now = time.monotonic()
                     stalled_for = now - probe.beat - probe.period
                     left = limit - stalled_for
-                    if left > 0:   # (stalled already: look at the queue's depth again sooner)
-                        cap = 0.01 if stalled_for >= gate.s.stall_after_s else 0.05
-                        self._stop_evt.wait(min(cap, max(self.STALL_POLL_S, left)))
+                    if left > 0:   # (the loop takes it if it can; if it is stalled, look again in 10 ms)
+                        self._stop_evt.wait(min(self.QUEUED_LOOK_S, max(self.STALL_POLL_S, left)))
                 continue
             if not stalled_before:
                 self.stalls += 1
@@ -460,7 +473,7 @@ class Sentinel(threading.Thread):
     def _idle_poll_ms(self) -> float:
         """How long to sleep in poll() when no connection waits: until pending heads and
         lingering closes need a look."""
-        return 50.0 if not (self._pending or self._linger) else self.STALL_POLL_S * 10 * 1000.0
+        return self.IDLE_POLL_MS if not (self._pending or self._linger) else self.STALL_POLL_S * 10 * 1000.0
 
     def _take(self, lst: socket.socket, now: float) -> bool:
         fd = heldsock.accept(lst.fileno())   # (GIL held: see numaserve.net.heldsock)

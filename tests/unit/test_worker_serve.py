@@ -98,6 +98,9 @@ def test_build_config_maps_the_spec() -> None:
     assert build_config(make_spec(framing=FramingConfig(enabled=False)), demo_app).http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
     assert build_config(make_spec(http="h11", framing=FramingConfig(enabled=False)), demo_app).http == "h11"
     assert build_config(make_spec(max_connections=0), demo_app).limit_concurrency is None
+    # the worker's server listen()s again on the inherited socket: with uvicorn's own backlog (2048)
+    # a configured server.backlog held only until the first worker started (ss showed 2048, not 123)
+    assert build_config(make_spec(backlog=123), demo_app).backlog == 123
 
 
 @contextlib.asynccontextmanager

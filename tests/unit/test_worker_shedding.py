@@ -277,3 +277,44 @@ def test_a_lingering_client_that_keeps_sending_costs_a_bounded_number_of_reads_p
     finally:
         a.close()
         b.close()
+
+
+def test_with_nothing_in_flight_the_sentinel_sleeps_in_poll_on_the_listeners_not_blind() -> None:
+    """Between two requests (nothing in flight) the sentinel used to sleep a blind 50 ms: the loop
+    took the next connection, blocked in its handler, and the connections queued behind that call
+    waited unseen for the rest of the sleep (2x capacity, blocking handlers: a quarter of the
+    sentinel's 503s came 55 ms late).  Now it sleeps in poll() on the listeners; a queued
+    connection wakes it, and while the (idle) loop has not taken it up, it naps 1, 2, 4 ... ms,
+    at most ``IDLE_POLL_MS`` (a loop held by something that is no request wakes it rarely)."""
+    from numaserve.worker.shedding import Sentinel
+
+    lst = listening_socket()
+    rt = AdmissionRuntime(AdmissionSettings())
+    sent = Sentinel(rt, [lst], None)
+    polls: list[float] = []
+    naps: list[float] = []
+    listen_fd = next(iter(sent._listen_fds))
+
+    class Poll:   # a connection waits in the accept queue the whole time
+        def poll(self, timeout_ms: float) -> list[tuple[int, int]]:
+            polls.append(timeout_ms)
+            return [(listen_fd, 1)]
+
+    class Stop:
+        def is_set(self) -> bool:
+            return len(naps) >= 8
+
+        def wait(self, s: float) -> bool:
+            naps.append(s)
+            return False
+
+    sent._poll, sent._stop_evt = Poll(), Stop()   # type: ignore[assignment]
+    try:
+        assert rt.gate.inflight == 0
+        sent._run()
+        assert polls and all(t == Sentinel.IDLE_POLL_MS for t in polls)
+        assert naps == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05]
+    finally:
+        for s in sent._listeners:
+            s.close()
+        lst.close()
