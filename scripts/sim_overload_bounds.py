@@ -8,7 +8,7 @@ One worker (one loop, 20 ms of CPU per request, capacity 50/s) in front of the r
 threads; a 20 s run takes milliseconds). For each burst bound (``burst_wait_s``, ``cpu_burst``)
 and load it prints the worst over the seeds of: the share shed, the admitted p99, and how many of
 the gate's refusals came while it counted itself *overloaded* (the tight bound) rather than from
-the burst bound (over all seeds). The question it answers (docs/admission.md, "Why 0.9x cannot shed <= 0.5 %"):
+the burst bound (over all seeds). The question it answers (docs/admission-measurements.md, "Why 0.9x cannot shed <= 0.5 %"):
 can any bound shed <= 0.5 % at 0.9x and keep admitted p99 <= 250 ms at 1x?
 """
 
