@@ -319,3 +319,49 @@ def test_with_nothing_in_flight_the_sentinel_sleeps_in_poll_on_the_listeners_not
         for s in sent._listeners:
             s.close()
         lst.close()
+
+
+def test_the_sentinels_nap_is_short_again_after_a_stall_it_acted_on() -> None:
+    """The nap doubles while the loop keeps taking its connections itself (a new connection per
+    request on a loop that never stalls), and is back at ``QUEUED_LOOK_S`` once the sentinel met a
+    stall: a loop running blocking handlers is looked at 10 ms after a connection comes."""
+    from numaserve.worker.shedding import Sentinel
+
+    lst = listening_socket()
+    rt = AdmissionRuntime(AdmissionSettings())
+    sent = Sentinel(rt, [lst], None)
+    naps: list[float] = []
+    listen_fd = next(iter(sent._listen_fds))
+    stalled_polls: list[float] = []
+
+    class Poll:
+        def poll(self, timeout_ms: float) -> list[tuple[int, int]]:
+            if rt.gate.inflight > 0:           # the stalled branch looked, found nobody queued
+                stalled_polls.append(timeout_ms)
+                rt.gate.inflight = 0           # ... and the call ended
+                return []
+            return [(listen_fd, 1)]            # idle: a connection waits for the loop
+
+    class Stop:
+        def is_set(self) -> bool:
+            return len(naps) >= 5
+
+        def wait(self, s: float) -> bool:
+            naps.append(s)
+            if len(naps) == 3:                 # the loop now blocks in a handler, long past the limit
+                now = time.monotonic()
+                rt.gate.inflight = 1
+                rt.gate.note_shed(now)         # shedding: the short stall limit applies
+                rt.probe.beat = now - 10.0
+            return False
+
+    sent._poll, sent._stop_evt = Poll(), Stop()   # type: ignore[assignment]
+    try:
+        sent._run()
+        assert stalled_polls and sent.stalls == 1
+        assert naps == [0.01, 0.02, 0.04, 0.01, 0.02]
+    finally:
+        rt.gate.inflight = 0
+        for s in sent._listeners:
+            s.close()
+        lst.close()
