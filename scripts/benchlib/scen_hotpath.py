@@ -5,6 +5,8 @@ the shared CPUs far less than the Python one, so more of the machine is left
 to the servers), else from ``numaserve.loadtest``.  Measured per server:
 
 - *tiny, shared*: 2 workers, ``wrk -t2 -c64`` on ``/``, everything on both CPUs;
+- *tiny, new connection each*: the same with ``Connection: close`` on every request (a TCP
+  handshake, an accept and a close per request: what the admission sentinel's wake-ups cost);
 - *tiny, pinned*: 1 worker, the server tree on CPU 1 and the generator on CPU 0;
 - *sse, pinned*: ``/sse100`` (100 events per response, chunked), CPU per chunk;
 - *32 workers*: numaserve ``--workers-per-node 32`` and ``gunicorn -w 32`` on the
@@ -37,9 +39,12 @@ KEYS = ("rps", "server_cpu_us_per_req", "server_cpu_us_per_chunk", "failed", "bu
 SSE_CHUNKS = 100
 
 
-def _wrk(url: str, threads: int, conns: int, seconds: float, cpus: set[int] | None) -> tuple[int, float, int]:
-    """(requests answered, duration s, non-2xx + socket errors) from one wrk run."""
-    argv = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{max(1, round(seconds))}s", url]
+def _wrk(url: str, threads: int, conns: int, seconds: float, cpus: set[int] | None,
+         close: bool = False) -> tuple[int, float, int]:
+    """(requests answered, duration s, non-2xx + socket errors) from one wrk run (``close``: a new
+    connection per request)."""
+    argv = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{max(1, round(seconds))}s",
+            *(["-H", "Connection: close"] if close else []), url]
     if cpus:
         argv = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *argv]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 30).stdout
@@ -55,17 +60,19 @@ def _wrk(url: str, threads: int, conns: int, seconds: float, cpus: set[int] | No
     return n, dur, bad
 
 
-def _load(srv: Server, path: str, seconds: float, cpus: set[int] | None, conns: int) -> tuple[int, float, int]:
+def _load(srv: Server, path: str, seconds: float, cpus: set[int] | None, conns: int,
+          close: bool = False) -> tuple[int, float, int]:
     if shutil.which("wrk"):
-        return _wrk(srv.url + path, 1 if cpus else 2, conns, seconds, cpus)
-    r = engine.run(lt.LoadConfig(srv.url + path, concurrency=conns, duration=seconds, timeout=10.0), cpus=cpus)
+        return _wrk(srv.url + path, 1 if cpus else 2, conns, seconds, cpus, close)
+    r = engine.run(lt.LoadConfig(srv.url + path, concurrency=conns, duration=seconds, timeout=10.0,
+                                 keepalive=not close), cpus=cpus)
     return r.ok, r.result.duration_s, r.failed
 
 
 def _measure(srv: Server, path: str, seconds: float, cpus: set[int] | None, conns: int,
-             chunks: int = 0) -> dict[str, Any]:
+             chunks: int = 0, close: bool = False) -> dict[str, Any]:
     meter = procs.TreeCpu(srv.master_pid).start()
-    n, dur, bad = _load(srv, path, seconds, cpus, conns)
+    n, dur, bad = _load(srv, path, seconds, cpus, conns, close)
     cpu = meter.sample()
     row: dict[str, Any] = {"rps": round(n / dur, 1) if dur else 0.0, "failed": bad,
                            "server_cpu_us_per_req": round(cpu / n * 1e6, 1) if n else None,
@@ -159,6 +166,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
                     raw.setdefault(("tiny", placement, kind), []).append(row)
                     ctx.log(f"hotpath rep {rep + 1} {placement:6} tiny {kind:9} {row['rps']:8.0f} req/s "
                             f"{row['server_cpu_us_per_req']} µs CPU/req")
+                    if placement == "shared":
+                        row = _measure(srv, "/", seconds, gen, 16, close=True)
+                        raw.setdefault(("tiny, new connection each", placement, kind), []).append(row)
+                        ctx.log(f"hotpath rep {rep + 1} {placement:6} new-conn {kind:9} {row['rps']:8.0f} req/s "
+                                f"{row['server_cpu_us_per_req']} µs CPU/req")
                     if placement == "pinned":
                         row = _measure(srv, "/sse100", seconds, gen, 16, chunks=SSE_CHUNKS)
                         raw.setdefault(("sse", placement, kind), []).append(row)
@@ -175,6 +187,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "title": "Hot path: per-request and per-chunk cost, every default on",
         "params": {"duration_s": seconds, "reps": ctx.reps, "load": "wrk" if shutil.which("wrk") else "loadtest",
                    "shared": "2 workers, wrk -t2 -c64, all on both CPUs",
+                   "new_connection_each": "shared, wrk -t2 -c16 -H 'Connection: close'",
                    "pinned": "1 worker, server tree on CPU 1, wrk -t1 on CPU 0 (-c64 tiny, -c16 sse)",
                    "sse": f"/sse100: {SSE_CHUNKS} events per response, chunked",
                    "many_workers": many},
