@@ -41,7 +41,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def guest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cmd = [str(LAB_SCRIPT), "--init", "systemd", "--cwd", str(REPO), "--timeout", str(VM_TIMEOUT),
-           "--env", "NUMASERVE_IN_VM=1", "--env", "PYTHONUNBUFFERED=1", "--", sys.executable, str(GUEST)]
+           "--env", "NUMASERVE_IN_VM=1", "--env", "PYTHONUNBUFFERED=1", "--env", f"PYTHONPATH={REPO}",
+           "--", sys.executable, str(GUEST)]
     t0 = time.monotonic()
     rc, stdout, stderr = run_lab(cmd, VM_TIMEOUT + 120)
     cases: dict[str, Any] = {"_vm": {"rc": rc, "seconds": round(time.monotonic() - t0, 1),

@@ -18,19 +18,9 @@ import time
 from pathlib import Path
 
 from numaserve.bind.verify import check_placement, read_placement
+from tests.vm.guestkit import ops_status
 
 APPS = str(Path(__file__).resolve().parent / "apps")
-
-
-def _status(rt: str) -> dict | None:
-    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
-    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
-    from numaserve.control.client import OpsError, ops_call
-
-    try:
-        return ops_call(Path(rt), "status", timeout=30.0)
-    except (OpsError, OSError):
-        return None
 
 
 def _get(port: int, path: str, cpu: int) -> dict:
@@ -66,7 +56,7 @@ def test_supervisor_binds_node1_worker_and_its_memory(node_cpus) -> None:
         st = None
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
-            got = _status(rt + "/rt")
+            got = ops_status(rt + "/rt")
             if got is not None:
                 st = got
                 if st["slots"] and all(s["state"] == "ready" and s["binding_verified"] for s in st["slots"]):

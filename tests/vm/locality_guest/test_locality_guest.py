@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from tests.vm.guestkit import ops_status
 
 HERE = str(Path(__file__).resolve().parent)
 REPO = Path(__file__).resolve().parents[3]
@@ -30,15 +31,6 @@ REPO = Path(__file__).resolve().parents[3]
 #: which status and /metrics show the drop (at 1 s and 3, the repair came before a TCG scrape saw it)
 HOLD = 4
 INTERVAL = 5.0
-
-
-def _status(rt: str) -> dict | None:
-    from numaserve.control.client import OpsError, ops_call
-
-    try:
-        return ops_call(Path(rt), "status", timeout=30.0)
-    except (OpsError, OSError):
-        return None
 
 
 def _scrape(addr: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -116,7 +108,7 @@ def test_pages_pushed_to_the_other_node_are_measured_alerted_and_migrated_back()
         st = None
         while time.monotonic() < deadline:
             assert proc.poll() is None, log_tail()
-            st = _status(rt)
+            st = ops_status(rt)
             if st and len(st["slots"]) == 2 and all(
                     s["state"] == "ready" and (s.get("locality") or {}).get("local_ratio") is not None
                     for s in st["slots"]):
@@ -151,7 +143,7 @@ def test_pages_pushed_to_the_other_node_are_measured_alerted_and_migrated_back()
             if low_status is None or low_status["remote_anon_bytes"] < 24 << 20:
                 # a sample taken while migratepages still ran shows part of the move: keep the low
                 # sample with the most remote bytes (the next one, taken after it, shows all of it)
-                st = _status(rt)
+                st = ops_status(rt)
                 loc = next(s["locality"] for s in (st or {}).get("slots", []) if str(s["slot"]) == slot) if st else {}
                 if loc and loc.get("local_ratio") is not None and loc["local_ratio"] < 0.9 and (
                         low_status is None or loc["remote_anon_bytes"] > low_status["remote_anon_bytes"]):
@@ -171,7 +163,7 @@ def test_pages_pushed_to_the_other_node_are_measured_alerted_and_migrated_back()
         assert _repairs(got, slot) >= 1, got
         final = _series(got, "numaserve_worker_memory_local_ratio")
         assert final[(slot, "0")] > 0.95, final
-        st = _status(rt)
+        st = ops_status(rt)
         s0 = next(s for s in st["slots"] if str(s["slot"]) == slot)
         loc = s0["locality"]
         assert s0["pid"] == pid and loc["local_ratio"] > 0.95, loc

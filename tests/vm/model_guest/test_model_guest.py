@@ -18,20 +18,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from tests.vm.guestkit import ops_status
 
 REPO = str(Path(__file__).resolve().parents[3])
 SIZE = "64MB"
-
-
-def _status(rt: str) -> dict | None:
-    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
-    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
-    from numaserve.control.client import OpsError, ops_call
-
-    try:
-        return ops_call(Path(rt), "status", timeout=30.0)
-    except (OpsError, OSError):
-        return None
 
 
 def _anon_pages(pid: int, min_pages: int) -> tuple[dict[str, int], list[str]]:
@@ -80,7 +70,7 @@ def test_each_template_holds_its_weights_on_its_node_and_its_workers_share_them(
         st = None
         while time.monotonic() < deadline:
             assert proc.poll() is None, (Path(base) / "stderr").read_text()[-4000:]
-            st = _status(rt)
+            st = ops_status(rt)
             if st and st["slots"] and all(s["state"] == "ready" and s["binding_verified"] for s in st["slots"]):
                 break
             time.sleep(1)

@@ -25,6 +25,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+from tests.vm.guestkit import ops_status
 
 REPO = Path(__file__).resolve().parents[3]
 PY = sys.executable
@@ -58,17 +59,6 @@ def plan(cpus: str) -> dict[str, Any]:
     return {"rc": 0, "slots": [{"node": s["node"], "cpus": s["cpus"], "mempolicy": s["mempolicy"],
                                 "memory_nodes": s["memory_nodes"]} for s in p["slots"]],
             "skipped": p.get("skipped", [])}
-
-
-def _status(rt: str) -> dict[str, Any] | None:
-    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
-    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
-    from numaserve.control.client import OpsError, ops_call
-
-    try:
-        return ops_call(Path(rt), "status", timeout=30.0)
-    except (OpsError, OSError):
-        return None
 
 
 def _cpus_allowed(pid: int) -> list[str]:
@@ -108,7 +98,7 @@ def start(cpus: str, unit: str, *, extra: tuple[str, ...] = (), wait_ready: bool
         props = sh("systemctl", "show", unit, "-p", "ActiveState,SubState,Result,ExecMainStatus,StatusText").stdout
         out["unit"] = dict(ln.split("=", 1) for ln in props.splitlines() if "=" in ln)
         if wait_ready and r.returncode == 0:
-            st = _status(rt)
+            st = ops_status(rt)
             out["supervisor_cpus"] = _cpus_allowed(int(st["supervisor"]["pid"])) if st else None
             out["slots"] = []
             for s in (st or {}).get("slots", []):

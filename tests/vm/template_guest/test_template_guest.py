@@ -18,21 +18,11 @@ import time
 from pathlib import Path
 
 from numaserve.bind.verify import check_placement, read_placement
+from tests.vm.guestkit import ops_status
 
 HERE = str(Path(__file__).resolve().parent)
 REPO = str(Path(__file__).resolve().parents[3])
 MB = 200
-
-
-def _status(rt: str) -> dict | None:
-    """``status --json`` over the ops socket from this process (a ``numaserve status`` process per
-    poll cost 4-10 s of emulated CPU, taken from the workers it waited for); None until it answers."""
-    from numaserve.control.client import OpsError, ops_call
-
-    try:
-        return ops_call(Path(rt), "status", timeout=30.0)
-    except (OpsError, OSError):
-        return None
 
 
 def _big_anon_pages(pid: int, min_pages: int) -> list[dict[str, int]]:
@@ -72,7 +62,7 @@ def test_node1_workers_forked_from_a_node1_template_share_its_200mb_on_n1(node_c
         st = None
         while time.monotonic() < deadline:
             assert proc.poll() is None, (Path(base) / "stderr").read_text()[-4000:]
-            st = _status(rt)
+            st = ops_status(rt)
             if st and st["slots"] and all(s["state"] == "ready" and s["binding_verified"] for s in st["slots"]):
                 break
             time.sleep(1)
