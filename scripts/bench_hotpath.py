@@ -2,6 +2,7 @@
 """Per-layer CPU cost of the worker's request path, in process, without sockets.
 
     scripts/bench_hotpath.py                  # table of µs of CPU per request, per layer stack
+    scripts/bench_hotpath.py --only numaserve --kinds conn   # a new connection per request only
     scripts/bench_hotpath.py --requests 50000 --json out.json
     scripts/bench_hotpath.py --instructions   # instructions per request under valgrind (callgrind)
 
@@ -14,7 +15,10 @@ is measured is process CPU time per request, so kernel, load generator and
 the other processes on a shared machine are left out: the numbers are the
 Python/C work of each layer, and differences between stacks are what each
 layer costs.  ``sse`` stacks stream ``--chunks`` chunks per request and
-report CPU per chunk.
+report CPU per chunk.  ``conn`` makes a new protocol object per request (``Connection:
+close``; ``connection_made``, the request, ``connection_lost``): what a connection costs the
+worker above the kernel's accept and close (locality counting, the HTTP-or-frames test, the
+protocol's set-up).
 
 ``--instructions`` counts machine instructions instead (``valgrind
 --tool=callgrind``; the count does not move with the other work on a shared
@@ -48,6 +52,8 @@ sys.path.insert(1, str(HERE / "bench_apps"))
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n"
 SSE_REQUEST = b"GET /sse HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n"
+CLOSE_REQUEST = REQUEST[:-2] + b"Connection: close\r\n\r\n"
+KINDS = ("tiny", "sse", "conn")
 
 
 class FakeTransport(asyncio.Transport):
@@ -125,8 +131,9 @@ async def sse_app_wrap(inner: Any, chunks: int) -> Any:
 
 
 def run_stack(make: Callable[[], tuple[type, Any, Any]], requests: int, request: bytes,
-              done_marker: bytes) -> float:
-    """CPU seconds for ``requests`` requests on one keep-alive connection through ``make()``'s stack."""
+              done_marker: bytes, *, per_connection: bool = False) -> float:
+    """CPU seconds for ``requests`` requests through ``make()``'s stack: on one keep-alive
+    connection, or (``per_connection``) each on a new protocol object, closed after its answer."""
     import uvloop
 
     async def main() -> float:
@@ -135,27 +142,48 @@ def run_stack(make: Callable[[], tuple[type, Any, Any]], requests: int, request:
         peer = socket.create_connection(lst.getsockname())
         sock, _ = lst.accept()   # a connected TCP socket: what TCP_INFO/SO_INCOMING_CPU read
         lst.close()
-        t = FakeTransport(sock)
         loop = asyncio.get_running_loop()
-        proto = proto_cls(config=config, server_state=state, app_state={})
-        t.protocol = proto
-        proto.connection_made(t)
-        t.want = done_marker
-        for i in range(requests // 10 + 50):  # warm-up
+
+        def connect() -> FakeTransport:
+            t = FakeTransport(sock)
+            proto = proto_cls(config=config, server_state=state, app_state={})
+            t.protocol = proto
+            proto.connection_made(t)
+            t.want = done_marker
+            return t
+
+        t = connect()
+
+        async def one() -> None:
+            nonlocal t
+            if per_connection:
+                t = connect()
             t.done = loop.create_future()
             t.feed(request)
             await t.done
+            if per_connection:
+                t.protocol.connection_lost(None)
+
+        for i in range(requests // 10 + 50):  # warm-up
+            await one()
         c0 = time.process_time()
         for i in range(requests):
-            t.done = loop.create_future()
-            t.feed(request)
-            await t.done
+            await one()
         dt = time.process_time() - c0
         sock.close()
         peer.close()
         return dt
 
     return uvloop.run(main())
+
+
+def run_kind(make: Callable[[], tuple[type, Any, Any]], kind: str, n: int) -> float:
+    """``run_stack`` for one of ``KINDS`` (``n``: requests, or SSE streams)."""
+    if kind == "sse":
+        return run_stack(make, n, SSE_REQUEST, b"0\r\n\r\n")
+    if kind == "conn":
+        return run_stack(make, n, CLOSE_REQUEST, b"}", per_connection=True)
+    return run_stack(make, n, REQUEST, b"}")
 
 
 def _uvicorn(app: Any, *, proxy: bool, http: Any = "httptools") -> tuple[type, Any, Any]:
@@ -208,11 +236,7 @@ def _no_probe_timer() -> None:
 
 def _child(name: str, kind: str, n: int, chunks: int) -> None:
     _no_probe_timer()
-    make = stacks(chunks)[name]
-    if kind == "sse":
-        run_stack(make, n, SSE_REQUEST, b"0\r\n\r\n")
-    else:
-        run_stack(make, n, REQUEST, b"}")
+    run_kind(stacks(chunks)[name], kind, n)
 
 
 def instructions(name: str, kind: str, n1: int, n2: int, chunks: int) -> float:
@@ -243,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=50, help="SSE chunks per streamed request")
     ap.add_argument("--reps", type=int, default=3, help="best of N (CPU time is noisy on a shared machine)")
     ap.add_argument("--only", default="", help="substring filter on stack names")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help="which of tiny (keep-alive), sse, conn (a new connection per request) to run")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--instructions", action="store_true",
                     help="instructions per request under valgrind instead of CPU time (slow: minutes)")
@@ -252,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         _child(a.child[0], a.child[1], int(a.child[2]), a.chunks)
         return 0
     rows = []
+    kinds = [k for k in a.kinds.split(",") if k]
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad:
+        ap.error(f"--kinds: unknown {', '.join(bad)} (choose from {', '.join(KINDS)})")
     if not a.instructions and a.requests is None:
         a.requests = 20000
     if a.instructions:
@@ -259,25 +289,33 @@ def main(argv: list[str] | None = None) -> int:
         for name in stacks(a.chunks):
             if a.only and a.only not in name:
                 continue
-            tiny = instructions(name, "tiny", 1000, n2, a.chunks)
-            sse = instructions(name, "sse", 40, max(80, n2 // a.chunks), a.chunks)
-            row = {"stack": name, "tiny_instructions_per_req": round(tiny),
-                   "sse_instructions_per_stream": round(sse), "chunks": a.chunks}
+            row = {"stack": name, "chunks": a.chunks}
+            if "tiny" in kinds:
+                row["tiny_instructions_per_req"] = round(instructions(name, "tiny", 1000, n2, a.chunks))
+            if "sse" in kinds:
+                row["sse_instructions_per_stream"] = round(
+                    instructions(name, "sse", 40, max(80, n2 // a.chunks), a.chunks))
+            if "conn" in kinds:
+                row["conn_instructions_per_req"] = round(instructions(name, "conn", 1000, n2, a.chunks))
             rows.append(row)
-            print(f"{tiny:10.0f} instr/req {sse:10.0f} instr/stream of {a.chunks}  {name}", flush=True)
+            print("  ".join(f"{v:>10} {k.replace('_instructions', '')}" for k, v in row.items()
+                            if k.endswith(("_req", "_stream"))) + f"  {name}", flush=True)
         if a.json:
             a.json.write_text(json.dumps({"requests": n2, "chunks": a.chunks, "rows": rows}, indent=1))
         return 0
     for name, make in stacks(a.chunks).items():
         if a.only and a.only not in name:
             continue
-        tiny = min(run_stack(make, a.requests, REQUEST, b'}') for _ in range(a.reps))
+        row = {"stack": name}
         n_sse = max(1, a.requests // a.chunks)
-        sse = min(run_stack(make, n_sse, SSE_REQUEST, b"0\r\n\r\n") for _ in range(a.reps))
-        row = {"stack": name, "tiny_us_per_req": round(tiny / a.requests * 1e6, 2),
-               "sse_us_per_chunk": round(sse / (n_sse * a.chunks) * 1e6, 2)}
+        for kind in kinds:
+            n = n_sse if kind == "sse" else a.requests
+            best = min(run_kind(make, kind, n) for _ in range(a.reps))
+            key = "sse_us_per_chunk" if kind == "sse" else f"{kind}_us_per_req"
+            row[key] = round(best / (n * (a.chunks if kind == "sse" else 1)) * 1e6, 2)
         rows.append(row)
-        print(f"{row['tiny_us_per_req']:8.2f} µs/req {row['sse_us_per_chunk']:7.2f} µs/chunk  {name}", flush=True)
+        print("  ".join(f"{v:8.2f} {k.replace('_us', ' µs')}" for k, v in row.items() if k != "stack")
+              + f"  {name}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"requests": a.requests, "chunks": a.chunks, "rows": rows}, indent=1))
     return 0

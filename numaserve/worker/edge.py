@@ -29,8 +29,8 @@ requestacct.RequestAcct`` (this layer's ``_Exchange`` is one).  Per request it:
 
 ``build_stack`` assembles the whole worker: the ASGI chain (Edge -> cache ->
 app) and the uvicorn config with the protocol chain (``numaserve.worker.
-serve.build_config``: locality counting, sniffing, the guarded httptools
-protocol with the admission hook).
+serve.build_config``: locality counting around the guarded httptools
+protocol with the admission hook and the hand-over of frame connections).
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ from numaserve.worker.shedding import (
     tcp_wait_and_state,
 )
 from numaserve.worker.requestacct import RequestAcct
+from numaserve.worker.sniff import FrameSettings, first_read
 
 __all__ = ["GuardedHttpToolsProtocol", "LeanCycle", "ProtocolSettings", "connection_limit_503"]
 
@@ -373,13 +374,16 @@ class ProtocolSettings:
     ``max_header_bytes`` (0: no limit) / ``header_timeout`` (s, 0: none): the 431 and 408
     limits; ``admission``: the ``AdmissionRuntime`` deciding admission at head-complete,
     or None; ``access_log``: the worker's access log (``AccessLogMiddleware``), which
-    also writes the line of a request the protocol refused before any ASGI call.
+    also writes the line of a request the protocol refused before any ASGI call;
+    ``frames``: hand connections whose first byte starts a frame to a ``FrameProtocol``
+    (``numaserve.worker.sniff``), or None (HTTP only).
     """
 
     max_header_bytes: int
     header_timeout: float
     admission: AdmissionRuntime | None = None
     access_log: Any = None
+    frames: FrameSettings | None = None
 
     def __post_init__(self) -> None:
         if self.max_header_bytes < 0:
@@ -441,6 +445,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._final: bytes | None = None   # an error answer waiting for the pipeline ahead of it
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_left = 0       # bytes still read and dropped before a lingering close
+        self._frames = s.frames
+        self.sniffing = s.frames is not None   # the first byte is still to be read (``first_read``)
+        self.blank_bytes = 0             # empty-line bytes before it
 
     # --- connection ----------------------------------------------------------------------
 
@@ -471,7 +478,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
         self.parser = None  # type: ignore[assignment]
 
+    def frames_took_over(self) -> None:
+        """A ``FrameProtocol`` has this connection now (``first_read``): no timer of ours is left."""
+        self._cancel_header_timer()
+
     def data_received(self, data: bytes) -> None:
+        if self.sniffing:   # HTTP or frames? (once per connection)
+            got = first_read(self, data, self._frames)
+            if got is None:
+                return
+            data = got
         if self._ns_drop:   # answered and closing: the rest is not ours to parse
             if self._linger_timer is not None:
                 self._linger_left -= len(data)

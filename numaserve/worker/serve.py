@@ -11,8 +11,9 @@ are closed by ``close_websocket`` at the drain deadline instead).
 
 The default HTTP protocol is ``numaserve.worker.httpproto`` (uvicorn's
 httptools protocol with header limits, admission at head-complete and a
-leaner request cycle, in one class); ``build_config`` stacks the
-per-connection layers around it (sniffing, locality counting).  The whole
+leaner request cycle, in one class, which hands a connection whose first
+byte starts a frame to ``numaserve.worker.sniff``); ``build_config`` adds
+locality counting around it.  The whole
 worker is assembled in ``numaserve.worker.edge.build_stack``.
 """
 
@@ -28,6 +29,7 @@ import uvicorn
 
 from numaserve.quietserver import QuietServerMixin
 from numaserve.worker.httpproto import GuardedHttpToolsProtocol, ProtocolSettings, connection_limit_503
+from numaserve.worker.sniff import FrameSettings, sniffing_h11
 from numaserve.worker.spec import WorkerSpec
 
 __all__ = [
@@ -79,16 +81,20 @@ def open_listener(fd: int) -> socket.socket:
 
 
 def _http_protocol(spec: WorkerSpec, admission: Any = None, access_log: Any = None) -> Any:
+    """The protocol class (or uvicorn's name for one) every connection starts with; with
+    ``[framing]`` on it hands frame connections over (``numaserve.worker.sniff``)."""
+    frames = FrameSettings(spec.framing, spec.read_timeout) if spec.framing.enabled else None
     if spec.http in ("auto", "httptools"):
         try:
             import httptools  # noqa: F401
         except ImportError:
             if spec.http == "httptools":
                 raise
-            return "h11"
-        return GuardedHttpToolsProtocol.configured(
-            ProtocolSettings(spec.max_header_bytes, spec.read_timeout, admission, access_log))
-    return spec.http  # "h11": h11's own max_incomplete_event_size applies
+        else:
+            return GuardedHttpToolsProtocol.configured(
+                ProtocolSettings(spec.max_header_bytes, spec.read_timeout, admission, access_log, frames))
+    # "h11" (h11's own max_incomplete_event_size applies)
+    return sniffing_h11(frames) if frames is not None else "h11"
 
 
 SO_INCOMING_CPU = getattr(socket, "SO_INCOMING_CPU", 49)
@@ -134,11 +140,6 @@ def build_config(spec: WorkerSpec, app: Any, *, stats: Any = None, admission: An
 
     # the access log also writes the lines of requests the protocol refuses before any ASGI call
     http = _http_protocol(spec, admission, app if isinstance(app, AccessLogMiddleware) else None)
-    if spec.framing.enabled:  # frames and HTTP on the same port (numaserve.worker.sniff)
-        from numaserve.worker.sniff import SniffingProtocol, SniffSettings, resolve_http_protocol
-
-        http = SniffingProtocol.configured(
-            SniffSettings(resolve_http_protocol(http), spec.framing, spec.read_timeout))
     if stats is not None:
         http = with_locality(http, stats, spec.node_cpus)
     tls: dict[str, Any] = {}

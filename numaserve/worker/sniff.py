@@ -1,29 +1,35 @@
 """One port, two protocols: HTTP (uvicorn) and the length-prefixed frames.
 
-``SniffingProtocol.configured(SniffSettings(...))`` is a protocol class for
-uvicorn's ``Config(http=...)``.  Each connection starts as a
-``BufferedProtocol`` reading into its frame decoder's preallocated buffer.
-The first byte decides (``numaserve.framing.looks_like_http``), after any
-empty lines (CR/LF, RFC 9112 §2.2: HTTP, since no frame can start so):
+Every connection starts as the worker's HTTP protocol: uvicorn makes it, as
+it would without frames.  While its first bytes are read, the protocol asks
+``first_read`` what they are.  The first byte decides
+(``numaserve.framing.looks_like_http``), after any empty lines (CR/LF, RFC
+9112 §2.2: HTTP, since no frame can start so; they are dropped here, as h11
+would refuse them):
 
-* HTTP: the uvicorn HTTP protocol is created, given the transport, swapped in
-  with ``transport.set_protocol()`` and fed the bytes already read.  Checked
-  on asyncio and uvloop, plain TCP and TLS transports alike: both switch
-  between buffered and plain protocols in place, and later reads go to the
-  new protocol directly, so HTTP pays one copy of its first read only.
-  So is any first byte that cannot start a frame within ``max_frame_bytes``
-  (``numaserve.framing.could_start_frame``: a lowercase method, a TLS
-  ClientHello on the plain port): HTTP answers it with a 400, as uvicorn does.
-* frames: the connection stays here.  Every complete frame becomes an ASGI
-  ``http`` request to ``config.loaded_app`` — the very stack uvicorn runs
-  (metrics, admission, body limits, cache, app) — and is answered with one
-  frame carrying the request's ``id``.  Requests run concurrently
-  (pipelining, up to ``max_pipeline`` per connection; past that the
-  connection stops reading until one finishes), replies go out as they are
-  ready, in any order.
+* HTTP: the bytes go to the HTTP parser, and the connection never comes back
+  here.  So is any first byte that cannot start a frame within
+  ``max_frame_bytes`` (``numaserve.framing.could_start_frame``: a lowercase
+  method, a TLS ClientHello on the plain port): HTTP answers it with a 400,
+  as uvicorn does.  HTTP pays one byte test per connection and one flag test
+  per read; an earlier design started every connection as the frame protocol
+  and handed HTTP over, which cost a second protocol object, a second timer
+  and the address look-ups twice per connection (8-12 % of a worker's CPU
+  with a new connection per request).
+* frames: a ``FrameProtocol`` takes the connection
+  (``transport.set_protocol()``, checked on asyncio and uvloop, plain TCP and
+  TLS alike: later reads go to the new protocol directly) and is fed the
+  bytes already read.  Every complete frame becomes an ASGI ``http`` request
+  to ``config.loaded_app`` — the very stack uvicorn runs (metrics, admission,
+  body limits, cache, app) — and is answered with one frame carrying the
+  request's ``id``.  Requests run concurrently (pipelining, up to
+  ``max_pipeline`` per connection; past that the connection stops reading
+  until one finishes), replies go out as they are ready, in any order.
 
-Connections register in uvicorn's ``server_state.connections`` and request
-tasks in ``server_state.tasks``, so drain, graceful shutdown and
+A silent connection is closed after ``read_timeout`` by the HTTP protocol's
+own header timer (``GuardedHttpToolsProtocol``) or by ``sniffing_h11``'s.
+Frame connections register in uvicorn's ``server_state.connections`` and
+request tasks in ``server_state.tasks``, so drain, graceful shutdown and
 ``limit_concurrency`` treat frames like HTTP.  Error classes: see
 ``numaserve.errors_http`` (400/408/413 close the connection once the
 requests in flight have been answered).
@@ -53,7 +59,7 @@ from numaserve.framing import (
 )
 from numaserve.refusals import refusal_header
 
-__all__ = ["COUNTERS", "SniffSettings", "SniffingProtocol", "frame_stats", "resolve_http_protocol"]
+__all__ = ["COUNTERS", "FrameProtocol", "FrameSettings", "first_read", "frame_stats", "sniffing_h11"]
 
 logger = logging.getLogger("numaserve.frames")
 
@@ -65,11 +71,8 @@ COUNTERS: dict[str, int] = {
     "sniffed_http": 0,
 }
 
-#: The first read of every connection lands in a per-thread scratch buffer
-#: this big (asyncio's and uvloop's own read size), so HTTP sees the same
-#: first chunk as without sniffing; a frame connection copies that one chunk
-#: into its decoder, every later read goes straight into the decoder.
-_FIRST_READ = 256 * 1024
+#: What a lingering connection reads and drops lands in a per-thread scratch buffer this big.
+_SCRATCH = 256 * 1024
 _scratch = threading.local()
 #: After a protocol error the error frame is followed by FIN, then whatever
 #: the client still sends is read and dropped for up to this long / this many
@@ -95,8 +98,10 @@ class ReplyTooLarge(OSError):
 def _scratch_buffer() -> memoryview:
     buf = getattr(_scratch, "buf", None)
     if buf is None:
-        buf = _scratch.buf = memoryview(bytearray(_FIRST_READ))
+        buf = _scratch.buf = memoryview(bytearray(_SCRATCH))
     return buf
+
+
 _DEADLINE_HEADER = b"x-request-timeout"
 _CRLF = (0x0D, 0x0A)
 #: Empty-line bytes accepted before the first request line; more closes the connection.
@@ -108,72 +113,116 @@ def frame_stats() -> dict[str, int]:
     return dict(COUNTERS)
 
 
-def resolve_http_protocol(http: Any) -> type[asyncio.Protocol]:
-    """uvicorn's protocol class for a ``Config(http=...)`` value."""
-    if isinstance(http, str):
-        if http == "h11":
-            from uvicorn.protocols.http.h11_impl import H11Protocol
-
-            return H11Protocol
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        return HttpToolsProtocol
-    return http  # type: ignore[no-any-return]
-
-
 @dataclass(frozen=True, slots=True)
-class SniffSettings:
-    """What a worker's sniffing protocol is configured with, built once per worker.
+class FrameSettings:
+    """The frame limits and timeouts of a worker, built once per worker.
 
-    ``http_protocol``: the uvicorn HTTP protocol class HTTP connections are handed to;
-    ``framing``: the frame limits and timeouts; ``read_timeout`` (s, 0: none): the first
-    byte and a partial frame must arrive within it.
+    ``framing``: the ``[framing]`` section; ``read_timeout`` (s, 0: none): a partial frame
+    must arrive within it (the first byte's is the HTTP protocol's).
     """
 
-    http_protocol: type[asyncio.Protocol]
     framing: FramingConfig
     read_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.http_protocol, type):
-            raise TypeError(f"http_protocol must be a protocol class, got {self.http_protocol!r}")
         if self.read_timeout < 0:
             raise ValueError(f"read_timeout must be >= 0, got {self.read_timeout}")
 
 
+def first_read(proto: Any, data: bytes, settings: FrameSettings) -> bytes | None:
+    """What of a connection's first bytes its HTTP protocol ``proto`` parses; None: nothing
+    (only empty lines so far, or the connection is closed, or a ``FrameProtocol`` took it).
 
-class SniffingProtocol(asyncio.BufferedProtocol):
-    """Starts every connection; stays for frame connections (see module docstring).
+    Called by the HTTP protocol from ``data_received`` while ``proto.sniffing`` is true; clears
+    it once the first byte past any empty lines decided.  ``proto.blank_bytes`` counts the empty-line
+    bytes.  When frames take over, ``proto.frames_took_over()`` stops the HTTP protocol's timers.
+    """
+    if proto.blank_bytes or data[0] in _CRLF:
+        rest = data.lstrip(b"\r\n")
+        proto.blank_bytes += len(data) - len(rest)
+        if proto.blank_bytes > _MAX_BLANK:
+            proto.transport.close()  # a stream of empty lines is not a request
+            return None
+        if not rest:
+            return None
+        proto.sniffing = False   # what follows empty lines is HTTP (a frame cannot start so)
+        COUNTERS["sniffed_http"] += 1
+        return rest
+    proto.sniffing = False
+    if looks_like_http(data[0]) or not could_start_frame(data[0], settings.framing.max_frame_bytes):
+        COUNTERS["sniffed_http"] += 1
+        return data
+    transport = proto.transport
+    proto.server_state.connections.discard(proto)
+    proto.frames_took_over()
+    frames = FrameProtocol(proto.config, proto.server_state, proto.app_state, proto.loop, settings)
+    transport.set_protocol(frames)
+    frames.adopt(transport, data, proto.server, proto.client, proto.scheme)
+    return None
 
-    uvicorn makes one per connection from the class alone (``Config(http=cls)``): a worker
-    serves ``SniffingProtocol.configured(settings)``, a subclass that only sets ``settings``.
+
+def sniffing_h11(settings: FrameSettings) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol handing frame connections over (``first_read``), with the
+    first-byte timer that h11 lacks (``GuardedHttpToolsProtocol`` has its header timer)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class SniffingH11Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.sniffing = True
+            self.blank_bytes = 0
+            self._first_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if settings.read_timeout > 0:
+                self._first_timer = self.loop.call_later(settings.read_timeout, self._silent)
+
+        def _silent(self) -> None:
+            self._first_timer = None
+            if self.sniffing and not self.transport.is_closing():
+                self.transport.close()  # connected, never sent a byte
+
+        def frames_took_over(self) -> None:
+            if self._first_timer is not None:
+                self._first_timer.cancel()
+                self._first_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            if self.sniffing:
+                got = first_read(self, data, settings)
+                if not self.sniffing:
+                    self.frames_took_over()   # decided: the first-byte timer is done
+                if got is None:
+                    return
+                data = got
+            super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.frames_took_over()
+            super().connection_lost(exc)
+
+    return SniffingH11Protocol
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """A frame connection, from the moment its first byte said so (see module docstring).
+
+    Made by ``first_read`` and given the transport with ``adopt``; registers in uvicorn's
+    ``server_state`` like uvicorn's own protocols, which it stands beside (``shutdown``).
     """
 
-    #: Set per worker by ``configured``; the default serves no HTTP and cannot be used.
-    settings: ClassVar[SniffSettings | None] = None
-
-    @classmethod
-    def configured(cls, settings: SniffSettings) -> type[SniffingProtocol]:
-        """This protocol class with ``settings``, for ``uvicorn.Config(http=...)``; named
-        after the HTTP protocol it hands to (``SniffingGuardedHttpToolsProtocol``)."""
-        name = f"Sniffing{settings.http_protocol.__name__}"
-        return type(name, (cls,), {"settings": settings, "__module__": cls.__module__, "__qualname__": name})
-
-    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any] | None = None,
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
-        s = self.settings
-        if s is None:
-            raise TypeError("SniffingProtocol is served configured: SniffingProtocol.configured(settings)")
-        self._http_protocol = s.http_protocol
-        self._framing = s.framing
-        self._read_timeout = s.read_timeout
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 loop: asyncio.AbstractEventLoop, settings: FrameSettings) -> None:
+        self._framing = settings.framing
+        self._read_timeout = settings.read_timeout
         self.config = config
         self.server_state = server_state
-        self.app_state = app_state if app_state is not None else {}
-        self.loop = _loop or asyncio.get_event_loop()
+        self.app_state = app_state
+        self.loop = loop
         self.transport: Any = None
-        self._decoder: FrameDecoder | None = None  # made when the first byte says "frames"
-        self._mode = ""          # "" sniffing, "frames"
+        self._decoder = FrameDecoder(settings.framing.max_frame_bytes)
+        self._mode = "frames"       # or "linger"
         self._inflight = 0
         self._inflight_bytes = 0    # payload bytes of the requests in flight
         self._sizes: dict[Any, int] = {}   # request task -> its payload bytes
@@ -184,7 +233,6 @@ class SniffingProtocol(asyncio.BufferedProtocol):
         self._linger = False        # protocol error: half-close and drain before closing
         self._eof = False           # the client half-closed: answer what we have, then close
         self._discarded = 0
-        self._blank = 0             # empty-line bytes skipped before the first request
         self._lost = False
         self._lost_event: asyncio.Event | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -193,21 +241,24 @@ class SniffingProtocol(asyncio.BufferedProtocol):
         self.client: Any = None
         self.scheme = "http"
 
+    def adopt(self, transport: Any, first: bytes, server: Any, client: Any, scheme: str) -> None:
+        """Take the connection over with the bytes already read (the transport already
+        delivers to this protocol): register, then serve the frames in ``first``."""
+        self.transport = transport
+        self.server_state.connections.add(self)
+        self.server, self.client, self.scheme = server, client, scheme
+        COUNTERS["frame_connections"] += 1
+        self._decoder.feed_into(first)
+        self._process()
+
     # --- transport callbacks ----------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
-
-        self.transport = transport
-        self.server_state.connections.add(self)
-        self.server = get_local_addr(transport)
-        self.client = get_remote_addr(transport)
-        self.scheme = "https" if is_ssl(transport) else "http"
-        self._set_timer("first", self._read_timeout)
+        raise RuntimeError("FrameProtocol takes a connection over with adopt(), never from the start")
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._decoder is None or self._mode == "linger":
-            return _scratch_buffer()  # filled and consumed within this one read callback
+        if self._mode == "linger":
+            return _scratch_buffer()  # filled and dropped within this one read callback
         return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -216,27 +267,12 @@ class SniffingProtocol(asyncio.BufferedProtocol):
             if self._discarded > _LINGER_BYTES:
                 self.transport.close()
             return
-        if self._decoder is None:
-            if nbytes <= 0 or self._mode:
-                return
-            first = _scratch_buffer()[:nbytes]
-            if first[0] in _CRLF or self._blank:
-                self._skip_blank_lines(bytes(first))
-                return
-            if looks_like_http(first[0]) or not could_start_frame(first[0], self._framing.max_frame_bytes):
-                self._switch_to_http(bytes(first))
-                return
-            self._mode = "frames"
-            COUNTERS["frame_connections"] += 1
-            self._decoder = FrameDecoder(self._framing.max_frame_bytes)
-            self._decoder.feed_into(first)
-        else:
-            self._decoder.buffer_updated(nbytes)
+        self._decoder.buffer_updated(nbytes)
         self._process()
 
     def eof_received(self) -> bool | None:
-        if self._decoder is None or self._mode == "linger":
-            return None  # nothing sent, or the client finished after our error: close
+        if self._mode == "linger":
+            return None  # the client finished after our error: close
         if self._decoder.pending:
             COUNTERS["frame_errors"] += 1  # truncated frame: nobody left to answer
         if self._inflight:
@@ -267,34 +303,6 @@ class SniffingProtocol(asyncio.BufferedProtocol):
         self._pause_reading()
         if self._inflight == 0 and self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-
-    # --- HTTP -----------------------------------------------------------------------
-
-    def _skip_blank_lines(self, data: bytes) -> None:
-        """RFC 9112 §2.2: empty lines before a request line are ignored.
-
-        A frame never starts with CR or LF (its length would be over
-        MAX_FRAME_LIMIT), so these bytes mean HTTP; they are dropped here
-        (h11 would refuse them; httptools skips them) and whatever follows
-        goes to the HTTP protocol, which answers 400 if it is not HTTP.
-        """
-        rest = data.lstrip(b"\r\n")
-        self._blank += len(data) - len(rest)
-        if self._blank > _MAX_BLANK:
-            self.transport.close()  # a stream of empty lines is not a request
-        elif rest:
-            self._switch_to_http(rest)
-
-    def _switch_to_http(self, first: bytes) -> None:
-        COUNTERS["sniffed_http"] += 1
-        self._cancel_timer()
-        self.server_state.connections.discard(self)
-        proto = self._http_protocol(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
-                         app_state=self.app_state, _loop=self.loop)
-        proto.connection_made(self.transport)
-        self._mode = "http"
-        self.transport.set_protocol(proto)
-        proto.data_received(first)
 
     # --- frames ---------------------------------------------------------------------
 
@@ -565,7 +573,5 @@ class SniffingProtocol(asyncio.BufferedProtocol):
             self.transport.close()
         elif kind == "linger":
             self.transport.close()
-        elif kind == "first" and not self._mode:
-            self.transport.close()  # connected, never sent a byte
         else:
             self._update_timer()

@@ -1,4 +1,4 @@
-"""The sniffing protocol in-process, on asyncio and uvloop: HTTP and frames on one port."""
+"""Frames and HTTP on one port in-process (numaserve/worker/sniff.py), on asyncio and uvloop."""
 
 from __future__ import annotations
 
@@ -347,10 +347,18 @@ def test_empty_lines_before_the_request_line_are_http(loop: str, http: str) -> N
     run(loop, main())
 
 
-def test_frames_can_be_switched_off() -> None:
-    spec = make_spec(framing=FramingConfig(enabled=False))
-    cfg = build_config(spec, echo_app)
-    assert "Sniffing" not in getattr(cfg.http, "__name__", str(cfg.http))
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_frames_can_be_switched_off(loop: str, http: str) -> None:
+    """With ``[framing] enabled = false`` a frame is just bytes HTTP cannot parse: 400, and HTTP serves."""
+    async def main() -> None:
+        async with serving(http=http, framing=FramingConfig(enabled=False)) as (_, port, stats):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(encode_frame(encode_request(1, "GET", "/")))
+            out = await asyncio.wait_for(r.read(), 5)
+            w.close()
+            assert out.startswith(b"HTTP/1.1 400"), out[:80]
+            assert (await http_get(port, "/a")).startswith(b"HTTP/1.1 200")
+    run(loop, main())
 
 
 def test_half_closed_client_gets_every_buffered_reply(loop: str) -> None:

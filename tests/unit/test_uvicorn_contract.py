@@ -144,41 +144,62 @@ def test_the_cycles_request_accounting_names_are_not_uvicorns() -> None:
                        f"LeanCycle; rename them in numaserve/worker/requestacct.py")
 
 
-# --- the sniffing protocol (numaserve/worker/sniff.py) ------------------------------------------
-# SniffingProtocol is not a uvicorn subclass, but it stands where uvicorn expects its HTTP protocol:
-# uvicorn makes it per connection and calls ``shutdown()`` on it when draining; it makes uvicorn's
-# HTTP protocol itself (same keywords) and reads uvicorn's config and server state.
+# --- frames on the HTTP port (numaserve/worker/sniff.py) -----------------------------------------
+# ``first_read`` runs inside uvicorn's HTTP protocols (ours on httptools, ``sniffing_h11`` on h11) and,
+# for a frame connection, reads what they set to make the FrameProtocol that stands beside them
+# (uvicorn calls ``shutdown()`` on it when draining, as on its own protocols).
 
-SNIFF_MAKES_HTTP_WITH = ["POSITIONAL_OR_KEYWORD:self", "POSITIONAL_OR_KEYWORD:config",
-                         "POSITIONAL_OR_KEYWORD:server_state", "POSITIONAL_OR_KEYWORD:app_state",
-                         "POSITIONAL_OR_KEYWORD:_loop"]
+#: What ``first_read`` reads from the HTTP protocol it runs in.
+FIRST_READ_USES = {"config", "server_state", "app_state", "loop", "server", "client", "scheme", "transport"}
+
+
+def _self_assignments(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        for fn in _own_methods(klass).values():
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError):
+                continue
+            for n in ast.walk(tree):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+                for t in targets:
+                    for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                            names.add(e.attr)
+    return names
 
 
 @pytest.mark.parametrize("impl", ["httptools", "h11"])
-def test_uvicorns_http_protocols_are_made_as_the_sniffing_protocol_makes_them(impl: str) -> None:
-    from numaserve.worker.sniff import SniffingProtocol, resolve_http_protocol
+def test_uvicorns_http_protocols_still_set_what_first_read_hands_to_frames(impl: str) -> None:
+    from numaserve.worker import sniff
 
-    cls = resolve_http_protocol(impl)
-    assert _params(cls.__init__) == SNIFF_MAKES_HTTP_WITH, (
-        f"uvicorn's {cls.__name__}.__init__ takes {_params(cls.__init__)}; numaserve's SniffingProtocol makes "
-        f"it (and is made by uvicorn) with {SNIFF_MAKES_HTTP_WITH}: re-check numaserve/worker/sniff.py")
-    assert _params(SniffingProtocol.__init__) == SNIFF_MAKES_HTTP_WITH, "update SNIFF_MAKES_HTTP_WITH"
-    for hook in ("shutdown", "connection_made", "connection_lost", "eof_received", "pause_writing",
-                 "resume_writing"):
-        assert _params(getattr(cls, hook)) == _params(getattr(SniffingProtocol, hook)), (
+    src = inspect.getsource(sniff.first_read)
+    used = {n.attr for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "proto"}
+    assert used - {"blank_bytes", "sniffing", "frames_took_over"} == FIRST_READ_USES, "update FIRST_READ_USES"
+    if impl == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as cls
+    else:
+        cls = HttpToolsProtocol
+    missing = sorted(FIRST_READ_USES - _self_assignments(cls))
+    assert not missing, (f"uvicorn's {cls.__name__} no longer sets {missing}, which numaserve's first_read "
+                         f"hands to a FrameProtocol; re-check numaserve/worker/sniff.py")
+    for hook in ("shutdown", "connection_lost", "eof_received", "pause_writing", "resume_writing"):
+        assert _params(getattr(cls, hook)) == _params(getattr(sniff.FrameProtocol, hook)), (
             f"uvicorn's {cls.__name__}.{hook} changed its parameters to {_params(getattr(cls, hook))}: "
-            f"numaserve's SniffingProtocol.{hook} stands in for it; re-check numaserve/worker/sniff.py")
+            f"numaserve's FrameProtocol.{hook} stands beside it; re-check numaserve/worker/sniff.py")
 
 
-def test_the_uvicorn_config_and_server_state_the_sniffing_protocol_reads_are_still_there() -> None:
+def test_the_uvicorn_config_and_server_state_the_frame_protocol_reads_are_still_there() -> None:
     import uvicorn.server
 
-    from numaserve.worker.sniff import SniffingProtocol
+    from numaserve.worker.sniff import FrameProtocol
 
     config = Config(app=lambda scope, receive, send: None, http="httptools", log_config=None)
     config.load()
     reads: dict[str, set[str]] = {"config": set(), "server_state": set()}
-    for fn in _own_methods(SniffingProtocol).values():
+    for fn in _own_methods(FrameProtocol).values():
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         for n in ast.walk(tree):
             if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
@@ -189,9 +210,9 @@ def test_the_uvicorn_config_and_server_state_the_sniffing_protocol_reads_are_sti
     state = ServerState()
     gone = sorted(f"config.{a}" for a in reads["config"] if not hasattr(config, a))
     gone += sorted(f"server_state.{a}" for a in reads["server_state"] if not hasattr(state, a))
-    assert not gone, (f"numaserve's SniffingProtocol reads {gone}, which this uvicorn no longer has; "
+    assert not gone, (f"numaserve's FrameProtocol reads {gone}, which this uvicorn no longer has; "
                       f"re-check numaserve/worker/sniff.py")
     # uvicorn's Server drains through ``connection.shutdown()`` on every registered connection
     assert "connection.shutdown()" in inspect.getsource(uvicorn.server.Server.shutdown), (
-        "uvicorn's Server.shutdown no longer calls connection.shutdown(): SniffingProtocol.shutdown and "
+        "uvicorn's Server.shutdown no longer calls connection.shutdown(): FrameProtocol.shutdown and "
         "the worker's drain (numaserve/worker/serve.py) rely on it")

@@ -92,10 +92,12 @@ def test_build_config_maps_the_spec() -> None:
     assert cfg.log_config is None and cfg.access_log is False
     assert build_config(make_spec(root_path="/api"), demo_app).root_path == "/api"
     http = cfg.http
-    assert http.__name__ == "SniffingGuardedHttpToolsProtocol"  # type: ignore[union-attr]
-    assert http.settings.http_protocol.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
-    assert build_config(make_spec(http="h11"), demo_app).http.settings.http_protocol.__name__ == "H11Protocol"  # type: ignore[union-attr]
-    assert build_config(make_spec(framing=FramingConfig(enabled=False)), demo_app).http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert http.__name__ == "GuardedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert http.settings.frames.framing == spec.framing  # type: ignore[union-attr]   # frames handed over
+    assert http.settings.frames.read_timeout == spec.read_timeout  # type: ignore[union-attr]
+    assert build_config(make_spec(http="h11"), demo_app).http.__name__ == "SniffingH11Protocol"  # type: ignore[union-attr]
+    off = build_config(make_spec(framing=FramingConfig(enabled=False)), demo_app).http
+    assert off.__name__ == "GuardedHttpToolsProtocol" and off.settings.frames is None  # type: ignore[union-attr]
     assert build_config(make_spec(http="h11", framing=FramingConfig(enabled=False)), demo_app).http == "h11"
     assert build_config(make_spec(max_connections=0), demo_app).limit_concurrency is None
     # the worker's server listen()s again on the inherited socket: with uvicorn's own backlog (2048)
