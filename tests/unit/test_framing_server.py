@@ -11,7 +11,7 @@ import pytest
 import uvloop
 
 from numaserve.client import AsyncFrameClient, FrameClient, FrameClientError, Request
-from numaserve.framing import HEADER, FramingConfig, encode_frame, encode_request
+from numaserve.framing import HEADER, FramingConfig, decode_response, encode_frame, encode_request
 from numaserve.worker.middleware import BodyLimitMiddleware, MetricsMiddleware
 from numaserve.worker.serve import WorkerServer, build_config
 from numaserve.worker.spec import WorkerSpec, flat_spec
@@ -280,6 +280,29 @@ def test_drain_closes_idle_frame_connections(loop: str) -> None:
             assert server.connection_count == 0
             assert (await c.request("GET", "/x")).status == 200  # the client reconnects
             await c.close()
+    run(loop, main())
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_frame_connection_outlives_the_http_protocols_read_timer(loop: str, http: str) -> None:
+    """Every connection starts as the HTTP protocol, whose timer closes a connection silent for
+    ``read_timeout``; once frames took the connection over, that timer is gone and the HTTP
+    protocol is no longer counted: the same socket serves frames past ``read_timeout``."""
+    async def ask(r: asyncio.StreamReader, w: asyncio.StreamWriter, rid: int) -> dict[str, Any]:
+        w.write(encode_frame(encode_request(rid, "GET", f"/f{rid}")))
+        n = HEADER.unpack(await asyncio.wait_for(r.readexactly(HEADER.size), 5))[0]
+        return decode_response(await asyncio.wait_for(r.readexactly(n), 5))
+
+    async def main() -> None:
+        async with serving(http=http, read_timeout=0.3) as (server, port, _stats):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            assert (await ask(r, w, 1))["status"] == 200
+            assert server.connection_count == 1
+            await asyncio.sleep(0.8)     # past read_timeout, well inside [framing] idle_timeout
+            got = await ask(r, w, 2)
+            assert (got["id"], got["status"], got["body"]) == (2, 200, b"GET /f2 http")
+            assert server.connection_count == 1
+            w.close()
     run(loop, main())
 
 
