@@ -69,12 +69,12 @@ def control_latency(srv: Server, value: int, workers: int) -> tuple[float | None
 
 
 def one(ctx: Ctx, kind: str, workers: int) -> dict[str, Any]:
-    idle_s = ctx.pick(2.0, 5.0)
+    idle_s = ctx.pick(1.0, 5.0)
     windows = ctx.pick(1, 3)
-    load_s = ctx.pick(2.0, 8.0)
+    load_s = ctx.pick(1.0, 8.0)
     with Server(ServerConfig(kind, workers=workers)).start() as srv:
         ready = srv.wait_ready(timeout=300.0)
-        time.sleep(ctx.pick(1.0, 2.0))
+        time.sleep(ctx.pick(0.5, 2.0))
         idle = [procs.cpu_over(srv.master_pid, idle_s, include_children=False)["cpu_s"] / idle_s
                 for _ in range(windows)]
         tree = procs.cpu_over(srv.master_pid, idle_s)["cpu_s"] / idle_s
@@ -133,7 +133,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
                      "control_latency_summary": summarize(res["control_latency_s"])})
     return {
         "title": f"Supervisor overhead with {workers} workers",
-        "params": {"workers": workers, "idle_window_s": ctx.pick(2.0, 5.0), "load": "32 keep-alive clients on /",
+        "params": {"workers": workers, "idle_window_s": ctx.pick(1.0, 5.0), "load": "32 keep-alive clients on /",
                    "reps": 1, "note": "one start per server (32-worker start-ups are the expensive part); "
                                       "idle CPU over several windows"},
         "rows": rows,

@@ -59,7 +59,7 @@ class OverloadParams:
 
 
 def quick_params() -> OverloadParams:
-    return OverloadParams(shapes={"cooperative": (2.0,)}, duration_s=3.0, after_s=2.0, capacity_s=1.5,
+    return OverloadParams(shapes={"cooperative": (2.0,)}, duration_s=2.0, after_s=2.0, capacity_s=1.5,
                           unloaded_s=1.0, capacity_servers=1, own_capacity=False)
 
 

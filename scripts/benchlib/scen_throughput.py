@@ -54,7 +54,7 @@ def _measure(srv: Server, path: str, conc: int, duration: float, gen_cpus: set[i
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
-    duration = ctx.pick(1.5, 3.0)
+    duration = ctx.pick(1.0, 3.0)
     pinned_ok = {0, 1} <= set(os.sched_getaffinity(0))
     raw: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rep in range(ctx.reps):
